@@ -1,0 +1,190 @@
+"""Content-addressed artifact store.
+
+key = hash(stage, its config, input fingerprints, library versions, device class). An artifact is a directory
+`<root>/<stage>/<key>/` whose `manifest.json` is written last; it is built in a temp directory and renamed
+into place, so a reader never sees a half-written artifact. A file lock per key makes concurrent sweeps build
+each artifact once. On every load the files are checked against the fingerprints in the manifest; a
+mismatch is reported and the entry rebuilt, never used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from filelock import FileLock, Timeout
+
+log = logging.getLogger("quantlab")
+
+MANIFEST = "manifest.json"
+SCHEMA_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("QUANTLAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "quantlab"
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def hash_obj(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint_files(root: Path, files: Iterable[Path] | None = None) -> dict[str, str]:
+    """sha256 of every regular file under root (relative posix path -> hex), manifest excluded."""
+    files = sorted(files) if files is not None else sorted(p for p in root.rglob("*") if p.is_file())
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in files if p.name != MANIFEST}
+
+
+def fingerprint_of(files: dict[str, str]) -> str:
+    return hash_obj(files)[:16]
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class Artifact:
+    stage: str
+    key: str
+    path: Path
+    manifest: dict
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def info(self) -> dict:
+        return self.manifest.get("info", {})
+
+
+class ArtifactStore:
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root).expanduser() if root else default_cache_dir()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.events: list[tuple[str, str, str]] = []  # (stage, key, "built" | "reused"), for the run log
+
+    def key(self, stage: str, **parts: Any) -> str:
+        return hash_obj({"stage": stage, **parts})[:20]
+
+    def path(self, stage: str, key: str) -> Path:
+        return self.root / stage / key
+
+    def _lock(self, stage: str, key: str) -> FileLock:
+        lock_dir = self.root / ".locks"
+        lock_dir.mkdir(exist_ok=True)
+        return FileLock(str(lock_dir / f"{stage}-{key}.lock"))
+
+    def load(self, stage: str, key: str, verify: bool = True) -> Artifact | None:
+        """The finished artifact, or None. A damaged entry is reported and moved aside."""
+        path = self.path(stage, key)
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if verify:
+                expected = manifest["files"]
+                actual = fingerprint_files(path)
+                if actual != expected:
+                    changed = sorted(set(expected) ^ set(actual) | {k for k in expected if actual.get(k) != expected[k]})
+                    raise ValueError(f"files changed since they were written: {', '.join(changed[:5])}")
+        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+            log.warning("cache entry %s/%s is damaged (%s); rebuilding it", stage, key, exc)
+            self._discard(path)
+            return None
+        return Artifact(stage, key, path, manifest)
+
+    def _discard(self, path: Path) -> None:
+        trash = self.root / ".trash" / f"{path.parent.name}-{path.name}-{uuid.uuid4().hex[:8]}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def get_or_build(
+        self,
+        stage: str,
+        key: str,
+        build: Callable[[Path], dict],
+        manifest_extra: dict,
+        describe: str = "",
+    ) -> Artifact:
+        """Return the artifact for key, building it with build(tmp_dir) -> info once across processes."""
+        found = self.load(stage, key)
+        if found is not None:
+            self.events.append((stage, key, "reused"))
+            log.info("%s: reusing %s", stage, found.path)
+            return found
+        lock = self._lock(stage, key)
+        try:
+            lock.acquire(timeout=1)
+        except Timeout:
+            log.info("%s: another process is building %s (%s); waiting for it", stage, key, describe or stage)
+            lock.acquire()
+        try:
+            found = self.load(stage, key)
+            if found is not None:
+                self.events.append((stage, key, "reused"))
+                return found
+            tmp = self.root / ".tmp" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            try:
+                start = time.time()
+                info = build(tmp) or {}
+                files = fingerprint_files(tmp)
+                manifest = {
+                    "schema_version": SCHEMA_VERSION,
+                    "stage": stage,
+                    "key": key,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "wall_time_s": round(time.time() - start, 3),
+                    "fingerprint": fingerprint_of(files),
+                    "files": files,
+                    "info": info,
+                    **manifest_extra,
+                }
+                write_json_atomic(tmp / MANIFEST, manifest)
+                final = self.path(stage, key)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                if final.exists():  # a damaged leftover without a manifest
+                    self._discard(final)
+                os.replace(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self.events.append((stage, key, "built"))
+            return Artifact(stage, key, final, manifest)
+        finally:
+            lock.release()
+
+    def entries(self) -> list[Artifact]:
+        out = []
+        for manifest_path in sorted(self.root.glob(f"*/*/{MANIFEST}")):
+            try:
+                manifest = json.loads(manifest_path.read_text())
+            except json.JSONDecodeError:
+                continue
+            out.append(Artifact(manifest_path.parent.parent.name, manifest_path.parent.name, manifest_path.parent, manifest))
+        return out

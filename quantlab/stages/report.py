@@ -1,0 +1,74 @@
+"""report: metrics.json (versioned schema), junit.xml (one testcase per gate check), console table,
+report.md and report.html (quantlab.report)."""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from quantlab.artifacts import write_json_atomic
+from quantlab.stages.gate import METRICS_SCHEMA
+
+TABLE_METRICS = ("top1_agreement", "ppl_reference", "ppl_candidate", "ppl_ratio", "kl_mean", "kl_p99",
+                 "gen_exact_match", "gen_first_divergence")
+
+
+def metrics_document(run: dict, result, gate: dict, provenance: dict, attribution: dict | None) -> dict:
+    doc = {"schema": METRICS_SCHEMA, "run": run, "metrics": result.metrics, "gate": gate,
+           "windows": result.windows, "positions": result.positions, "generation": result.generation,
+           "provenance": provenance}
+    if attribution:
+        doc["attribution"] = attribution
+    return doc
+
+
+def write_metrics(run_dir: Path, doc: dict) -> Path:
+    path = run_dir / "metrics.json"
+    write_json_atomic(path, doc)
+    return path
+
+
+def write_junit(run_dir: Path, doc: dict) -> Path:
+    checks = doc["gate"]["checks"]
+    name = f"quantlab.{doc['run']['precision']}.kv-{doc['run']['kv_cache']}"
+    suite = ET.Element("testsuite", name=name, tests=str(len(checks)),
+                       failures=str(sum(not c["passed"] for c in checks)), errors="0")
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname=name, name=c["name"])
+        text = f"{c['metric']} = {c['value']:.6g} (threshold {c['op']} {c['threshold']:.6g}, margin {c['margin']:+.6g})"
+        if c["passed"]:
+            ET.SubElement(case, "system-out").text = text
+        else:
+            ET.SubElement(case, "failure", message=text, type=c["kind"]).text = c.get("detail", "")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    path = run_dir / "junit.xml"
+    tmp = path.with_suffix(".xml.tmp")
+    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
+    tmp.replace(path)
+    return path
+
+
+def fmt(value: float) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def console_table(doc: dict) -> str:
+    m = doc["metrics"]
+    rows = [("metric", "value", "95% CI")]
+    for name in TABLE_METRICS:
+        if name in m:
+            ci = m[name].get("ci95")
+            rows.append((name, fmt(m[name]["value"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * wd for wd in widths))
+    gate = doc["gate"]
+    lines.append("")
+    for c in gate["checks"]:
+        mark = "PASS" if c["passed"] else "FAIL"
+        lines.append(f"  [{mark}] {c['name']}: {fmt(c['value'])} (margin {c['margin']:+.4f})")
+    for w in gate["warnings"]:
+        lines.append(f"  [warn] {w}")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Shared fixtures: tiny random Llama / Qwen2 checkpoints with a real (small) BPE tokenizer, built offline.
+
+Tests never read ../shared and never touch the hub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+# Small eval / calibration settings: seconds per run on a 2-core CPU.
+FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.seq_len=64", "eval.max_windows=6",
+        "eval.batch_size=3", "eval.gen_prompts=2", "eval.gen_prompt_len=8", "eval.gen_tokens=6", "eval.topk=16"]
+
+
+def _train_tokenizer(out: Path) -> None:
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [topics[k] for k in sorted(topics)[:60]]
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(out)
+
+
+def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1234)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=512, hidden_size=dims.get("hidden", 128), intermediate_size=dims.get("inter", 256),
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(vocab_size=512, hidden_size=dims.get("hidden", 64), intermediate_size=dims.get("inter", 192),
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(cfg)
+    # Random init gives near-uniform logits; scale up so predictions are peaked like a trained model's.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    _train_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tok_dir) -> Path:
+    return _save_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tok_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, tok_dir) -> Path:
+    return _save_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tok_dir)
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> Path:
+    """One artifact cache for the session (tests that need a cold cache make their own)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def compose(overrides: list[str]):
+    """The typed Config exactly as the CLI would build it (Hydra compose API, in-process)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from quantlab.config import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        dict_cfg = hydra_compose("config", overrides=overrides)
+    return OmegaConf.to_object(dict_cfg), OmegaConf.to_container(dict_cfg, resolve=False)
+
+
+def run_api(overrides: list[str], run_dir: Path) -> int:
+    from quantlab.pipeline import run_pipeline
+
+    cfg, snapshot = compose(overrides)
+    return run_pipeline(cfg, run_dir, snapshot, overrides)
+
+
+def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int = 600, env_extra: dict | None = None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    if cache is not None:
+        env["QUANTLAB_CACHE"] = str(cache)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "quantlab", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
