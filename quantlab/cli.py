@@ -38,6 +38,18 @@ def _fields(tp) -> dict[str, typing.Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(tp)}
 
 
+def _dict_keys(path: list[str]) -> list[str] | None:
+    """Allowed keys of the dict-valued node at path (None: free-form)."""
+    from quantlab.metrics import REGISTRY
+
+    metric_names = [m for m, info in REGISTRY.items() if info.gateable]
+    if path == ["gate", "thresholds"] or (len(path) == 3 and path[:2] == ["gate", "per_precision"]):
+        return metric_names
+    if path == ["gate", "per_precision"]:
+        return list(PRECISION_SCHEMAS)
+    return None
+
+
 def _check_key(path: list[str], full: str) -> None:
     """Walk the dataclass schema along path; raise with the closest sibling name on a miss."""
     node: typing.Any = Config
@@ -47,6 +59,10 @@ def _check_key(path: list[str], full: str) -> None:
             node = next(a for a in typing.get_args(node) if a is not type(None))
             origin = typing.get_origin(node)
         if origin in (dict, typing.Dict):
+            allowed = _dict_keys(path[:depth])
+            if allowed is not None and part not in allowed:
+                raise QuantlabError(f"unknown name {part!r} in {full!r}{_did_you_mean(part, allowed)}",
+                                    fix=f"valid names there: {', '.join(allowed)}")
             node = typing.get_args(node)[1]
             continue
         if node is typing.Any and path[depth - 1] == "precision":
@@ -89,6 +105,8 @@ def check_argv(args: list[str]) -> list[str]:
                 out[out.index(ov.input_line)] = "+" + ov.input_line
             continue
         _check_key(key.split("."), key)
+        if key.startswith(("gate.thresholds.", "gate.per_precision.")) and not ov.is_add() and not ov.is_force_add():
+            out[out.index(ov.input_line)] = "++" + ov.input_line  # add or override a dict entry
     return out
 
 

@@ -54,11 +54,13 @@ def topk_kl(ref_lp_top, ref_idx, cand_logprobs):
     """
     import torch
 
-    cand_top = cand_logprobs.gather(-1, ref_idx.long())
-    p_ref = ref_lp_top.exp()
-    head = (p_ref * (ref_lp_top - cand_top)).sum(-1).double()
-    tail_ref = (1.0 - p_ref.double().sum(-1)).clamp_min(0.0)
-    tail_cand = (1.0 - cand_top.double().exp().sum(-1)).clamp_min(1e-30)
+    ref_lp = ref_lp_top.double()
+    cand_top = cand_logprobs.gather(-1, ref_idx.long()).double()
+    p_ref = ref_lp.exp()
+    head = (p_ref * (ref_lp - cand_top)).sum(-1)
+    tail_ref = 1.0 - p_ref.sum(-1)
+    tail_ref = torch.where(tail_ref > 1e-6, tail_ref, torch.zeros_like(tail_ref))  # below fp32 resolution: rounding
+    tail_cand = (1.0 - cand_top.exp().sum(-1)).clamp_min(1e-30)
     tail = torch.where(tail_ref > 0, tail_ref * (tail_ref.clamp_min(1e-30).log() - tail_cand.log()), torch.zeros_like(tail_ref))
     return (head + tail).clamp_min(0.0).float()
 
@@ -85,7 +87,9 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
     denom = 1 + zz * zz / n
     centre = (p + zz * zz / (2 * n)) / denom
     half = zz * math.sqrt(p * (1 - p) / n + zz * zz / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    lo = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact ends: the formula gives 0 / 1 up to rounding
+    hi = 1.0 if successes >= n else min(1.0, centre + half)
+    return lo, hi
 
 
 def z(p: float) -> float:

@@ -41,6 +41,9 @@ def check_config(cfg: Config) -> None:
         close = get_close_matches(cfg.engine.name, ENGINES, n=1)
         raise QuantlabError(f"engine {cfg.engine.name!r} is unknown" + (f"; did you mean {close[0]!r}?" if close else ""),
                             fix=f"use engine={'|'.join(ENGINES)}")
+    from quantlab.stages.gate import thresholds_for
+
+    thresholds_for(cfg.gate, cfg.precision.name)  # a typo in a gate fails now, not after the evaluation
     if cfg.stop_after not in (None, "prepare", "data", "quantize", "export", "build", "evaluate"):
         raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage",
                             fix="use one of prepare, data, quantize, export, build, evaluate")

@@ -38,6 +38,28 @@ def _train_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
+def _train(model, tok_dir: Path, steps: int = 120) -> None:
+    """A few hundred ms of AdamW on pydoc text: a random model is near-uniform, a trained one is peaked like
+    a real LM, which is what quantization error should be measured on."""
+    import torch
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ids = torch.tensor(tok("\n\n".join(topics[k] for k in sorted(topics)[:80]))["input_ids"])
+    windows = ids[: len(ids) // 64 * 64].view(-1, 64)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = windows[torch.randint(len(windows), (16,), generator=gen)]
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
 def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
     import shutil
 
@@ -56,11 +78,7 @@ def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                           tie_word_embeddings=True)
         model = Qwen2ForCausalLM(cfg)
-    # Random init gives near-uniform logits; scale up so predictions are peaked like a trained model's.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
+    _train(model, tok_dir)
     model.save_pretrained(out, safe_serialization=True)
     for f in tok_dir.iterdir():
         shutil.copy2(f, out / f.name)

@@ -44,6 +44,8 @@ def thresholds_for(cfg: GateConfig, precision: str) -> dict[str, Threshold]:
             raise QuantlabError(f"gate.per_precision has unknown precision {name!r}{_closest(name, PRECISION_SCHEMAS)}",
                                 fix=f"use one of {', '.join(PRECISION_SCHEMAS)}")
     merged = {**cfg.thresholds, **cfg.per_precision.get(precision, {})}
+    # OmegaConf leaves dataclasses nested two dicts deep as plain dicts
+    merged = {k: v if isinstance(v, Threshold) else Threshold(**v) for k, v in merged.items()}
     gateable = [m for m, info in metrics.REGISTRY.items() if info.gateable]
     for name in merged:
         if name not in gateable:

@@ -1,0 +1,122 @@
+"""Evaluation and gate sanity on tiny models: self-comparison, damaged candidates, direct transformers ppl."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import FAST, compose, read_json, run_api
+
+from quantlab.artifacts import ArtifactStore
+from quantlab.engines.base import Limits
+from quantlab.engines.hf import HFModelEngine
+from quantlab.env import resolve_device
+from quantlab.stages import data, evaluate, gate, prepare
+
+
+def _setup(tiny_llama, cache, extra=()):
+    cfg, _ = compose(["+precision=fp8", f"model.path={tiny_llama}", *FAST, *extra])
+    store = ArtifactStore(cache)
+    ref = prepare.run(cfg.model, store)
+    tok = prepare.load_tokenizer(ref)
+    evalset = data.run(cfg.eval, "eval", ref.fingerprint, tok, store)
+    return cfg, store, ref, tok, evalset
+
+
+def _engine(model):
+    return HFModelEngine(model, Limits(512, 512, 64), "candidate")
+
+
+def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, shared_cache):
+    code = run_api(["+precision=fp8", "engine=reference", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST],
+                   tmp_path)
+    doc = read_json(tmp_path / "metrics.json")
+    m = doc["metrics"]
+    assert m["top1_agreement"]["value"] == 1.0
+    assert m["kl_mean"]["value"] == 0.0
+    assert m["ppl_ratio"]["value"] == 1.0
+    assert m["gen_exact_match"]["value"] == 1.0
+    assert doc["gate"]["passed"] and code == 0
+
+
+def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
+    cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
+    device = resolve_device("cpu")
+    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
+    ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
+                                 lambda: _engine(prepare.load_model(ref, device, torch.float32)))
+    model = prepare.load_model(ref, device, torch.float32)
+    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 3.0)
+    result = evaluate.compare(_engine(model), ref_art, evalset, cfg.eval, tok)
+    verdict = gate.run(cfg.gate, "fp8", result.metrics, result.windows, {})
+    failed = {c["metric"] for c in verdict["checks"] if not c["passed"]}
+    assert not verdict["passed"]
+    assert {"top1_agreement", "ppl_ratio", "kl_mean"} <= failed
+    assert all("margin" in c and "threshold" in c for c in verdict["checks"])
+
+
+def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
+    from transformers import AutoModelForCausalLM
+
+    cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
+    device = resolve_device("cpu")
+    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
+    ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
+                                 lambda: _engine(prepare.load_model(ref, device, torch.float32)))
+    result = evaluate.compare(_engine(prepare.load_model(ref, device, torch.float32)), ref_art, evalset, cfg.eval, tok)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    losses = []
+    with torch.no_grad():
+        for window in evalset.tokens:
+            losses.append(model(window[None], labels=window[None]).loss.item())  # HF shifts labels itself
+    direct = math.exp(sum(losses) / len(losses))
+    assert result.metrics["ppl_reference"]["value"] == pytest.approx(direct, rel=1e-4)
+    assert result.metrics["ppl_candidate"]["value"] == pytest.approx(direct, rel=1e-4)
+
+
+def test_metrics_identical_across_batch_sizes(tiny_llama, tmp_path):
+    docs = []
+    for bs in (1, 4):
+        run_dir = tmp_path / f"bs{bs}"
+        run_api(["+precision=int8_sq", f"model.path={tiny_llama}", f"cache_dir={tmp_path / 'cache'}", *FAST,
+                 f"eval.batch_size={bs}"], run_dir)
+        docs.append(read_json(run_dir / "metrics.json"))
+    a, b = (d["metrics"] for d in docs)
+    for name in a:
+        assert a[name]["value"] == b[name]["value"], name
+
+
+def test_baseline_regression_and_refusal(tiny_llama, tiny_qwen2, tmp_path, shared_cache):
+    base_dir = tmp_path / "base"
+    common = [f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST]
+    run_api(["+precision=fp8", "engine=reference", *common], base_dir)
+    baseline = base_dir / "metrics.json"
+    # fp8 vs a perfect baseline: significantly worse on the paired per-window test
+    code = run_api(["+precision=int4_awq", f"gate.baseline={baseline}", *common], tmp_path / "cand")
+    doc = read_json(tmp_path / "cand" / "metrics.json")
+    base_checks = [c for c in doc["gate"]["checks"] if c["kind"] == "baseline"]
+    assert len(base_checks) == 3 and code == 1
+    assert not all(c["passed"] for c in base_checks)
+    assert set(doc["gate"]["baseline"]) >= {"top1_agreement", "kl_mean", "dnll_mean", "path"}
+    # same model re-evaluated against itself as baseline: not worse
+    code = run_api(["+precision=fp8", "engine=reference", f"gate.baseline={baseline}", *common], tmp_path / "same")
+    assert code == 0
+    # a baseline from another model is refused before any compute
+    from quantlab.errors import QuantlabError
+
+    with pytest.raises(QuantlabError, match="different model"):
+        run_api(["+precision=fp8", f"model.path={tiny_qwen2}", f"cache_dir={shared_cache}", *FAST,
+                 f"gate.baseline={baseline}"], tmp_path / "other")
+
+
+def test_reference_outputs_computed_once_per_sweep(tiny_llama, tmp_path):
+    cache = tmp_path / "cache"
+    counts = []
+    for precision in ("fp8", "int8_sq", "int4_awq"):
+        run_api([f"+precision={precision}", f"model.path={tiny_llama}", f"cache_dir={cache}", *FAST], tmp_path / precision)
+        counts.append(read_json(tmp_path / precision / "metrics.json")["run"]["reference_forward_batches"])
+    assert counts[0] > 0 and counts[1:] == [0, 0]
