@@ -129,7 +129,8 @@ class KvCacheConfig:
 # --------------------------------------------------------------------------------------------- engine
 @dataclass
 class EngineConfig:
-    name: str = "torch"  # torch | fakequant | trtllm
+    name: str = "torch"  # torch | fakequant | trtllm | reference
+    checkpoint: Optional[str] = None  # evaluate this exported checkpoint instead of quantizing (e.g. from hf_ptq)
     max_input_len: Optional[int] = None  # null = the model's max positions
     max_seq_len: Optional[int] = None
     max_batch_size: int = 64

@@ -96,7 +96,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     def checkpoint():
         if "ckpt" not in live:
             with timer.stage("export"):
-                ckpt = store.load("export", ekey)
+                ckpt = store.load("export", ekey) if not cfg.engine.checkpoint else \
+                    export.external(cfg.engine.checkpoint, spec.quant_algo, kv_quant_algo(cfg.kv_cache))
                 if ckpt is None:
                     ckpt = export.run(store, ekey, quantized, ref, spec.quant_algo, kv_quant_algo(cfg.kv_cache))
                 else:
@@ -126,7 +127,9 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
         return _finish(record, run_dir, timer, store, start, EXIT_OK, "stopped after build")
 
     results = {}
-    names = [cfg.engine.name] + (["fakequant"] if cfg.eval.attribution and cfg.engine.name != "fakequant" else [])
+    names = [cfg.engine.name]
+    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
+        names += ["fakequant", "fakequant_exported", "fakequant_jitter"]
     for name in names:
         with timer.stage(f"build:{name}"):
             engine = build.build(name, cfg.engine, ctx, limits)
@@ -162,17 +165,33 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
 
 
 def _attribution(results: dict, engine: str) -> dict:
-    """Split the loss: quantization itself (HF -> fake-quant) vs export / engine numerics (fake-quant -> engine)."""
-    fq, en = results["fakequant"].metrics, results[engine].metrics
+    """Split the loss three ways: quantization itself (HF -> fake-quant), export (fake-quant -> fake-quant with
+    the transformations export applies), engine numerics (as exported -> the engine running the checkpoint)."""
+    chain = ["fakequant", "fakequant_exported", engine]
+    steps = {"quantization": (None, "fakequant"), "export": ("fakequant", "fakequant_exported"),
+             "engine": ("fakequant_exported", engine)}
+
+    def loss(name, metric):  # how much worse than the reference, in the metric's own units
+        value = results[name].metrics[metric]["value"]
+        return 1.0 - value if metric == "top1_agreement" else value
+
     out = {}
-    for name in ("dnll_mean", "top1_agreement", "kl_mean"):
-        hib = fq[name]["higher_is_better"]
-        total = (1.0 - en[name]["value"]) if hib and name == "top1_agreement" else en[name]["value"]
-        quant = (1.0 - fq[name]["value"]) if hib and name == "top1_agreement" else fq[name]["value"]
-        out[name] = {"fakequant": fq[name]["value"], engine: en[name]["value"], "quantization": quant,
-                     "export_engine": total - quant}
+    for metric in ("dnll_mean", "top1_agreement", "kl_mean"):
+        out[metric] = {name: results[name].metrics[metric]["value"] for name in chain}
+        for step, (a, b) in steps.items():
+            out[metric][step] = loss(b, metric) - (loss(a, metric) if a else 0.0)
+
+    def agree(a, b):
+        return float((results[a].argmax == results[b].argmax).mean())
+
     return {"engine": engine, "metrics": out,
-            "note": "quantization = fake-quant vs reference; export_engine = the rest of the engine's loss"}
+            "engine_vs_fakequant_top1": agree(engine, "fakequant"),
+            "engine_vs_exported_top1": agree(engine, "fakequant_exported"),
+            "exported_jitter_floor_top1": agree("fakequant_exported", "fakequant_jitter"),
+            "note": "losses vs the reference (top-1 as disagreement 1 - agreement): quantization = fake-quant; "
+                    "export = fake-quant after export's re-smoothing minus fake-quant; engine = the engine minus that. "
+                    "exported_jitter_floor_top1 = the as-exported model vs itself under 1e-6 relative input noise: "
+                    "the best agreement any implementation that is not bit-identical can reach on this model"}
 
 
 def _link(link: Path, target: Path) -> None:

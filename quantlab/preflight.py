@@ -35,6 +35,11 @@ def check_config(cfg: Config) -> None:
     if cfg.eval.gen_prompts and cfg.eval.gen_prompt_len >= cfg.eval.seq_len:
         raise QuantlabError(f"eval.gen_prompt_len={cfg.eval.gen_prompt_len} must be shorter than eval.seq_len={cfg.eval.seq_len}")
     kv_quant_algo(cfg.kv_cache)
+    from quantlab.engines.torch_engine import SUPPORTED
+
+    if cfg.engine.name == "torch" and spec_for(cfg.precision).quant_algo not in SUPPORTED:
+        raise QuantlabError(f"engine=torch runs fp8, int8_sq and int4_awq; {cfg.precision.name} is not one of them",
+                            fix="use engine=fakequant (ModelOpt simulation) or engine=trtllm on a supported GPU")
     if cfg.engine.name not in ENGINES:
         from difflib import get_close_matches
 

@@ -49,6 +49,39 @@ def _fakequant(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
     return HFModelEngine(ctx.restore_fakequant(), limits, "fakequant")
 
 
+def _as_exported(ctx: BuildContext):
+    """Fake-quant model with the transformations export applies (ModelOpt re-smooths layers that share an
+    input, e.g. q/k/v, to one averaged pre_quant_scale and re-quantizes their weights)."""
+    import torch
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    model = ctx.restore_fakequant()
+    with torch.no_grad():
+        requantize_resmooth_fused_llm_layers(model)
+    return model
+
+
+def _fakequant_exported(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
+    from quantlab.engines.hf import HFModelEngine
+
+    return HFModelEngine(_as_exported(ctx), limits, "fakequant_exported")
+
+
+def _fakequant_jitter(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
+    """The as-exported fake-quant model with embeddings scaled by (1 + 1e-6 N(0,1)): how far a quantized
+    model's top-1 moves under rounding-sized noise. No engine that is not bit-identical can do better."""
+    import torch
+
+    from quantlab.engines.hf import HFModelEngine
+
+    model = _as_exported(ctx)
+    emb = model.get_input_embeddings().weight
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        emb.mul_(1 + JITTER * torch.randn(emb.shape, generator=gen).to(emb.device, emb.dtype))
+    return HFModelEngine(model, limits, "fakequant_jitter")
+
+
 def _torch(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
     from quantlab.engines.torch_engine import build_torch_engine
 
@@ -61,8 +94,12 @@ def _trtllm(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
     return build_trtllm_engine(cfg, ctx, limits)
 
 
+JITTER = 1e-6
+
 BUILDERS: dict[str, Callable[[EngineConfig, BuildContext, Limits], Engine]] = {
-    "reference": _reference, "fakequant": _fakequant, "torch": _torch, "trtllm": _trtllm,
+    "reference": _reference, "fakequant": _fakequant, "fakequant_exported": _fakequant_exported,
+    "fakequant_jitter": _fakequant_jitter, "torch": _torch,
+    "trtllm": _trtllm,
 }
 
 

@@ -32,6 +32,7 @@ class EvalResult:
     positions: dict  # per-position means along the window (plots)
     kl_values: np.ndarray = field(repr=False)  # every predicted position's KL (distribution plot)
     generation: dict | None = None
+    argmax: np.ndarray | None = field(default=None, repr=False)  # [windows, positions] candidate predictions
     forward_batches: int = 0
     seconds: float = 0.0
 
@@ -106,6 +107,7 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
     sums = {k: np.zeros(w) for k in ("nll_ref", "nll_cand", "agree", "kl")}
     sums["n_pred"] = np.full(w, t)
     agree_pos, kl_pos = np.zeros((w, t), dtype=np.float32), np.zeros((w, t), dtype=np.float32)
+    cand_argmax = np.zeros((w, t), dtype=np.int32)
     start = time.time()
     tail_total = 0.0
     with safe_open(str(ref_art.path / REF_FILE), "pt") as ref:
@@ -127,6 +129,7 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
             sums["agree"][lo:hi] = agree.sum(-1).cpu().numpy()
             sums["kl"][lo:hi] = kl.double().sum(-1).cpu().numpy()
             agree_pos[lo:hi], kl_pos[lo:hi] = agree.cpu().numpy(), kl.cpu().numpy()
+            cand_argmax[lo:hi] = am.cpu().numpy()
             del logits, lp
             log.info("  %s windows %d/%d (%.1f s)", engine.name, hi, w, time.time() - start)
         gen = None
@@ -140,8 +143,8 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
                "nll_candidate": (sums["nll_cand"] / t).tolist(), "top1_agreement": (sums["agree"] / t).tolist(),
                "kl_mean": (sums["kl"] / t).tolist()}
     positions = {"top1_agreement": agree_pos.mean(0).tolist(), "kl_mean": kl_pos.mean(0).tolist()}
-    return EvalResult(engine.name, result, windows, positions, kl_pos.ravel(), gen, engine.forward_batches,
-                      round(time.time() - start, 2))
+    return EvalResult(engine.name, result, windows, positions, kl_pos.ravel(), gen, cand_argmax,
+                      engine.forward_batches, round(time.time() - start, 2))
 
 
 def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:

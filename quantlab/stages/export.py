@@ -9,8 +9,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from quantlab.artifacts import Artifact, ArtifactStore
+from quantlab.artifacts import Artifact, ArtifactStore, fingerprint_files, fingerprint_of
 from quantlab.env import versions
+from quantlab.errors import QuantlabError
 from quantlab.stages.prepare import TOKENIZER_FILES, ModelRef
 
 log = logging.getLogger("quantlab")
@@ -51,3 +52,24 @@ def run(store: ArtifactStore, ekey: str, get_model, ref: ModelRef, expect_algo: 
 
     return store.get_or_build("export", ekey, build, {"model": ref.fingerprint, "versions": versions()},
                               describe="export")
+
+
+def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
+    """A checkpoint exported elsewhere (engine.checkpoint=...), checked against the requested recipe."""
+    ckpt = Path(path).expanduser()
+    if not (ckpt / "hf_quant_config.json").is_file():
+        raise QuantlabError(f"engine.checkpoint {ckpt} has no hf_quant_config.json, so it is not a ModelOpt export",
+                            fix="point engine.checkpoint at the directory export_hf_checkpoint() wrote")
+    try:
+        quant = read_quant_config(ckpt)
+    except (ValueError, KeyError) as exc:
+        raise QuantlabError(f"{ckpt}/hf_quant_config.json is unreadable ({exc})") from None
+    if quant.get("quant_algo") != expect_algo or quant.get("kv_cache_quant_algo") != expect_kv:
+        raise QuantlabError(f"engine.checkpoint {ckpt} is {quant.get('quant_algo')} / kv {quant.get('kv_cache_quant_algo')}, "
+                            f"the run asks for {expect_algo} / kv {expect_kv}",
+                            fix="choose the matching +precision= and kv_cache=")
+    files = fingerprint_files(ckpt, [p for p in ckpt.iterdir() if p.is_file()])
+    info = {"quant_algo": quant["quant_algo"], "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+            "group_size": quant.get("group_size"), "external": True,
+            "safetensors_bytes": sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))}
+    return Artifact("export", "external", ckpt, {"fingerprint": fingerprint_of(files), "files": files, "info": info})
