@@ -153,6 +153,10 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
                 "candidate_forward_batches": result.forward_batches}
     doc = report.metrics_document(run_info, result, verdict, provenance, attribution)
     with timer.stage("report"):
+        from quantlab.report import write_run_reports
+
+        ckpt_path = live["ckpt"].path if "ckpt" in live else None
+        doc["weight_error"] = write_run_reports(run_dir, doc, result.kl_values, ckpt_path, ref.path)
         report.write_metrics(run_dir, doc)
         report.write_junit(run_dir, doc)
     print(report.console_table(doc))

@@ -1,0 +1,118 @@
+"""Report plots (matplotlib, Agg), returned as data: URIs so the HTML stays one self-contained file."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _uri(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _smooth(y: np.ndarray, width: int) -> np.ndarray:
+    if width <= 1 or y.size < width:
+        return y
+    return np.convolve(y, np.ones(width) / width, mode="valid")
+
+
+def ppl_per_window(windows: dict) -> str:
+    plt = _plt()
+    ref, cand = np.exp(windows["nll_reference"]), np.exp(windows["nll_candidate"])
+    fig, ax = plt.subplots(figsize=(7, 3))
+    x = np.arange(ref.size)
+    ax.plot(x, ref, "o-", ms=3, label="reference")
+    ax.plot(x, cand, "s-", ms=3, label="candidate")
+    ax.set_xlabel("evaluation window")
+    ax.set_ylabel("perplexity")
+    ax.set_title("Perplexity per window (same tokens)")
+    ax.legend()
+    return _uri(fig)
+
+
+def along_position(positions: dict) -> str:
+    plt = _plt()
+    agree, kl = np.asarray(positions["top1_agreement"]), np.asarray(positions["kl_mean"])
+    width = max(1, agree.size // 32)
+    fig, ax1 = plt.subplots(figsize=(7, 3))
+    ax1.plot(_smooth(agree, width), color="tab:blue")
+    ax1.set_ylabel("top-1 agreement", color="tab:blue")
+    ax1.set_xlabel(f"position in window (moving average over {width})")
+    ax2 = ax1.twinx()
+    ax2.plot(_smooth(kl, width), color="tab:red")
+    ax2.set_ylabel("KL(ref || cand)", color="tab:red")
+    ax1.set_title("Agreement and KL along the window")
+    return _uri(fig)
+
+
+def kl_histogram(kl_values: np.ndarray) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3))
+    values = np.clip(np.asarray(kl_values, dtype=np.float64), 1e-8, None)
+    ax.hist(np.log10(values), bins=60, color="tab:red", alpha=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("log10 KL(ref || cand) per position")
+    ax.set_ylabel("positions")
+    ax.set_title("Distribution of per-position KL")
+    return _uri(fig)
+
+
+def sqnr_bars(rows: list[dict]) -> str | None:
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, max(3, 0.12 * len(rows))))
+    names = [r["layer"].replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "") for r in rows]
+    values = [min(r["sqnr_db"], 80) for r in rows]
+    worst = np.argsort(values)[:5]
+    colors = ["tab:red" if i in worst else "tab:blue" for i in range(len(rows))]
+    ax.barh(np.arange(len(rows)), values, color=colors)
+    ax.set_yticks(np.arange(len(rows)))
+    ax.set_yticklabels(names, fontsize=5 if len(rows) > 40 else 7)
+    ax.invert_yaxis()
+    ax.set_xlabel("weight SQNR (dB, higher is better; red = 5 worst)")
+    ax.set_title("Quantization error of the exported weights per linear layer")
+    return _uri(fig)
+
+
+def pareto(rows: list[dict]) -> str | None:
+    """Quality (ppl ratio, lower is better) vs checkpoint size, Pareto front marked."""
+    pts = [(r["size_bytes"] / 2**20, r["ppl_ratio"], r["label"]) for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    front = pareto_front([(s, q) for s, q, _ in pts])
+    for i, (s, q, label) in enumerate(pts):
+        on = i in front
+        ax.scatter([s], [q], s=60 if on else 30, color="tab:green" if on else "tab:gray", zorder=3)
+        ax.annotate(label, (s, q), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    fx = sorted((pts[i][0], pts[i][1]) for i in front)
+    ax.plot([p[0] for p in fx], [p[1] for p in fx], "--", color="tab:green", label="Pareto front")
+    ax.set_xlabel("checkpoint size on disk (MiB)")
+    ax.set_ylabel("perplexity ratio vs reference (lower is better)")
+    ax.set_title("Quality vs size")
+    ax.legend()
+    return _uri(fig)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> set[int]:
+    """Indices of points not dominated (smaller size and lower ratio both better)."""
+    front = set()
+    for i, (s, q) in enumerate(points):
+        if not any((s2 <= s and q2 <= q) and (s2 < s or q2 < q) for j, (s2, q2) in enumerate(points) if j != i):
+            front.add(i)
+    return front

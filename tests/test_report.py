@@ -1,0 +1,93 @@
+"""Reports: Markdown and HTML from a real run; the HTML opened in headless Chromium (Debian's package)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import FAST, REPO, read_json, run_api
+
+ARTIFACTS = REPO / "test-artifacts"
+HOSTILE = "<script>alert(1)</script>"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_llama, shared_cache):
+    out = tmp_path_factory.mktemp("report_run")
+    run_api(["+precision=int8_sq", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST], out)
+    return out
+
+
+def test_markdown_report_verdict_first_and_short(run_dir):
+    md = (run_dir / "report.md").read_text()
+    doc = read_json(run_dir / "metrics.json")
+    first = md.splitlines()[0]
+    assert ("PASS" in first) == doc["gate"]["passed"] and "int8_sq" in first
+    assert "| top1_agreement |" in md and "python -m quantlab" in md
+    assert len(md) < 8000  # pasteable as a PR comment
+
+
+def _inject(run_dir: Path, out: Path) -> Path:
+    """Re-render the report with hostile strings where model output, data and user input appear."""
+    from quantlab.report import write_run_reports
+
+    doc = read_json(run_dir / "metrics.json")
+    for s in doc["generation"]["samples"]:
+        s["candidate_rest"] = HOSTILE + s["candidate_rest"]
+        s["prompt"] = "<img src=x onerror=alert(2)>" + s["prompt"]
+    doc["run"]["model"] = "<b>model</b>" + HOSTILE
+    doc["run"]["eval"]["source"] = HOSTILE
+    doc["provenance"]["argv"] = ["+precision=int8_sq", f"eval.path={HOSTILE}"]
+    out.mkdir(exist_ok=True)
+    import numpy as np
+
+    write_run_reports(out, doc, np.asarray(doc["positions"]["kl_mean"]), (run_dir / "checkpoint").resolve(),
+                      Path(doc["provenance"]["config"]["model"]["path"]))
+    return out / "report.html"
+
+
+def test_html_escapes_every_injected_string(run_dir, tmp_path):
+    html = _inject(run_dir, tmp_path).read_text()
+    assert "<script>" not in html and "onerror=alert" not in html.replace("onerror=alert(2)&gt;", "")
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<img src=x" not in html
+    md = (tmp_path / "report.md").read_text()
+    assert "<script>" not in md
+
+
+def _chromium():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright (Python) is not installed")
+    return exe, sync_playwright
+
+
+def test_html_in_headless_chromium(run_dir, tmp_path):
+    exe, sync_playwright = _chromium()
+    page_file = _inject(run_dir, tmp_path)
+    console, requests, dialogs = [], [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu",
+                                                               "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        page.on("console", lambda m: console.append((m.type, m.text)))
+        page.on("pageerror", lambda e: console.append(("pageerror", str(e))))
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(page_file.as_uri())
+        page.wait_for_load_state("load")
+        images = page.eval_on_selector_all("img", "els => els.map(e => [e.naturalWidth, e.alt])")
+        text = page.inner_text("body")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+        browser.close()
+    assert dialogs == [], "a script from the data ran"
+    assert [c for c in console if c[0] in ("error", "pageerror")] == []
+    assert [u for u in requests if not u.startswith(("file:", "data:"))] == []
+    assert len(images) >= 4 and all(w > 100 for w, _ in images)
+    assert HOSTILE in text  # shown as text
+    assert ("PASS" in text.split("\n")[1]) or ("FAIL" in text)
