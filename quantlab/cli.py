@@ -116,7 +116,7 @@ def _task(dict_cfg) -> None:
 
     from quantlab.pipeline import run_pipeline
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     try:
         cfg = OmegaConf.to_object(dict_cfg)
         code = run_pipeline(cfg, run_dir, OmegaConf.to_container(dict_cfg, resolve=True), sys.argv[1:])

@@ -91,3 +91,48 @@ def test_html_in_headless_chromium(run_dir, tmp_path):
     assert len(images) >= 4 and all(w > 100 for w, _ in images)
     assert HOSTILE in text  # shown as text
     assert ("PASS" in text.split("\n")[1]) or ("FAIL" in text)
+
+
+def test_sweep_summary_three_runs_and_rebuild(tiny_llama, tmp_path, shared_cache):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import run_cli
+
+    res = run_cli(["-m", "+precision=fp8,int8_sq,int4_awq", f"model.path={tiny_llama}", *FAST], cwd=tmp_path,
+                  cache=shared_cache)
+    assert res.returncode in (0, 1), res.stderr[-3000:]
+    sweep = next((tmp_path / "outputs").glob("sweep_*"))
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert len(rows) == 3
+    for row in rows:
+        doc = read_json(Path(row["run_dir"]) / "metrics.json")
+        assert row["top1_agreement"] == doc["metrics"]["top1_agreement"]["value"]
+        assert row["ppl_ratio"] == doc["metrics"]["ppl_ratio"]["value"]
+        assert row["verdict"] == ("PASS" if doc["gate"]["passed"] else "FAIL")
+        assert row["size_bytes"] > 0
+    md = (sweep / "summary.md").read_text()
+    assert md.count("| 0_") + md.count("| 1_") + md.count("| 2_") == 3
+    assert "summary" in res.stdout
+    # rebuilt elsewhere from the run directories alone
+    out = tmp_path / "rebuilt"
+    again = subprocess.run([sys.executable, "-m", "quantlab.summary", *[r["run_dir"] for r in rows], "--out", str(out)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "summary.json").read_text()) == rows
+    bad = subprocess.run([sys.executable, "-m", "quantlab.summary", str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no run directories" in bad.stderr
+    try:
+        exe, sync_playwright = _chromium()
+    except pytest.skip.Exception:
+        return
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto((sweep / "summary.html").as_uri())
+        assert page.locator("#runs tr").count() == 4
+        assert page.inner_text("#recommendation")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "summary.png"), full_page=True)
+        browser.close()

@@ -1,0 +1,91 @@
+"""Sweep summary: one row per run, a recommendation, and quality vs size with the Pareto front.
+
+Written by a Hydra callback when a multirun ends, and rebuildable from any run directories (made on any
+machine) with `python -m quantlab.summary DIR [DIR ...]`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from quantlab.report import _atomic_write, environment
+from quantlab.report.plots import pareto, pareto_front
+
+log = logging.getLogger("quantlab")
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run directories (holding run.json) among paths and their immediate children."""
+    runs = []
+    for p in paths:
+        if (p / "run.json").is_file():
+            runs.append(p)
+        elif p.is_dir():
+            runs += sorted(c for c in p.iterdir() if (c / "run.json").is_file())
+    return runs
+
+
+def _row(run_dir: Path) -> dict:
+    record = json.loads((run_dir / "run.json").read_text())
+    metrics_file = run_dir / "metrics.json"
+    doc = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
+    cfg = record.get("config", {})
+    ckpt = record.get("artifacts", {}).get("export", {})
+    ref_path = Path(record.get("artifacts", {}).get("prepare", {}).get("path", "/nonexistent"))
+    ref_bytes = sum(p.stat().st_size for p in ref_path.glob("*.safetensors")) if ref_path.is_dir() else None
+    size = ckpt.get("safetensors_bytes")
+    row = {"run_dir": str(run_dir.resolve()), "name": run_dir.name,
+           "precision": (cfg.get("precision") or {}).get("name", "?"), "kv_cache": cfg.get("kv_cache", {}).get("dtype", "?"),
+           "engine": cfg.get("engine", {}).get("name", "?"), "size_bytes": size,
+           "size_vs_reference": (size / ref_bytes) if size and ref_bytes else None,
+           "wall_time_s": record.get("wall_time_s"), "exit_code": record.get("exit_code")}
+    row["label"] = f"{row['precision']}/kv-{row['kv_cache']}"
+    if doc:
+        m = doc["metrics"]
+        row.update(top1_agreement=m["top1_agreement"]["value"], ppl_ratio=m["ppl_ratio"]["value"],
+                   ppl_ratio_ci=m["ppl_ratio"].get("ci95"), kl_mean=m["kl_mean"]["value"],
+                   verdict="PASS" if doc["gate"]["passed"] else "FAIL",
+                   failed=[c["name"] for c in doc["gate"]["checks"] if not c["passed"]])
+    else:
+        row.update(verdict="ERROR" if record.get("exit_code") else "NOT EVALUATED", failed=[])
+    return row
+
+
+def recommend(rows: list[dict]) -> dict | None:
+    """Smallest passing checkpoint on the Pareto front; ties go to the lower perplexity ratio."""
+    passing = [r for r in rows if r["verdict"] == "PASS" and r.get("size_bytes")]
+    if not passing:
+        return None
+    front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in passing])
+    return min((passing[i] for i in front), key=lambda r: (r["size_bytes"], r["ppl_ratio"]))
+
+
+def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
+    rows = [_row(d) for d in run_dirs]
+    rows.sort(key=lambda r: (r["size_bytes"] or 0, r["label"]))
+    front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in rows if r.get("size_bytes") and r.get("ppl_ratio")])
+    evaluated = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
+    for i, r in enumerate(evaluated):
+        r["pareto"] = i in front
+    ctx = {"rows": rows, "best": recommend(rows), "plot": pareto(rows), "out_dir": str(out_dir)}
+    env = environment()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, html = out_dir / "summary.md", out_dir / "summary.html"
+    _atomic_write(md, env.get_template("summary.md.j2").render(ctx))
+    _atomic_write(html, env.get_template("summary.html.j2").render(ctx))
+    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    return md, html
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a multirun, summarize every run of the sweep."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        runs = find_runs([sweep_dir])
+        if runs:
+            md, html = write_summary(sweep_dir, runs)
+            print(f"quantlab: sweep summary of {len(runs)} runs -> {html}")
