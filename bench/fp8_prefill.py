@@ -69,6 +69,26 @@ def linear_flops(model, tokens: int) -> float:
     return 2.0 * tokens * params
 
 
+def diagnose(tokens: int = 8192, k: int = 4096, n: int = 14336) -> dict:
+    """Split one FP8 layer's time: activation quantize, the FP8 GEMM alone, the whole layer, vs bf16."""
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    ws = w.abs().max().float() / 448
+    layer = qlayers.Fp8Linear((w.float() / ws).to(torch.float8_e4m3fn), ws, x.abs().max().float() / 448, None,
+                              native=True).cuda()
+    xq = qlayers.fp8_quantize(x, layer.inv_input_scale)
+    out = {
+        "bf16_linear_ms": timed(lambda: torch.nn.functional.linear(x, w), iters=20) * 1e3,
+        "fp8_quantize_fused_ms": timed(lambda: qlayers.fp8_quantize(x, layer.inv_input_scale), iters=20) * 1e3,
+        "fp8_quantize_eager_ms": timed(lambda: qlayers._fp8_quantize_eager(x, layer.inv_input_scale), iters=20) * 1e3,
+        "fp8_gemm_only_ms": timed(lambda: torch._scaled_mm(xq, layer.weight.t(), scale_a=layer.input_scale,
+                                                           scale_b=layer.weight_scale, out_dtype=torch.bfloat16), iters=20) * 1e3,
+        "fp8_layer_ms": timed(lambda: layer(x), iters=20) * 1e3,
+    }
+    print(json.dumps(out, indent=2))
+    return out
+
+
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,7 +97,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--out")
+    ap.add_argument("--diagnose", action="store_true", help="also time the parts of one FP8 layer")
     args = ap.parse_args()
+    parts = diagnose() if args.diagnose else None
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
     torch.manual_seed(0)
@@ -101,6 +123,8 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill()
         torch.cuda.synchronize()
+    if args.diagnose:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
     kernels = sorted({e.key for e in prof.key_averages() if any(s in e.key.lower() for s in ("gemm", "e4m3", "scaled", "fp8", "sm90"))})
     result = {
         "shape": f"Llama-8B layer shape x {args.layers} layers, batch {args.batch} x {args.seq} tokens",
@@ -111,6 +135,7 @@ def main() -> None:
         "ratio_fp8_over_bf16": t_bf16 / t_fp8, "target": 1.4,
         "last_token_top1_agree": float((ref_logits.argmax(-1) == fp8_logits.argmax(-1)).float().mean()),
         "ceilings": gemm_ceilings(), "kernels": kernels[:12], "gpu": torch.cuda.get_device_name(),
+        "layer_parts_ms": parts,
     }
     print(json.dumps(result, indent=2))
     print(f"FP8 / bf16 prefill speed: {result['ratio_fp8_over_bf16']:.2f}x (target >= 1.4x)")

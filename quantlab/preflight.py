@@ -36,6 +36,10 @@ def check_config(cfg: Config) -> None:
         raise QuantlabError(f"eval.gen_prompt_len={cfg.eval.gen_prompt_len} must be shorter than eval.seq_len={cfg.eval.seq_len}")
     kv_quant_algo(cfg.kv_cache)
     from quantlab.engines.torch_engine import SUPPORTED
+    from quantlab.engines.trtllm import check_available
+
+    if cfg.engine.name == "trtllm":
+        check_available()
 
     if cfg.engine.name == "torch" and spec_for(cfg.precision).quant_algo not in SUPPORTED:
         raise QuantlabError(f"engine=torch runs fp8, int8_sq and int4_awq; {cfg.precision.name} is not one of them",

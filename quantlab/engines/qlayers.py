@@ -28,8 +28,9 @@ def fp8_quantize(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     (the unfused version moves ~4x the bytes and costs about as much as the FP8 GEMM it feeds)."""
     if x.is_cuda and _fused.get("ok", True):
         try:
-            fn = _fused.setdefault("fn", torch.compile(_fp8_quantize_eager, dynamic=True))
-            return fn(x, inv_scale)
+            if "fn" not in _fused:  # compile once; creating the wrapper per call costs milliseconds
+                _fused["fn"] = torch.compile(_fp8_quantize_eager, dynamic=True)
+            return _fused["fn"](x, inv_scale)
         except Exception:  # noqa: BLE001 - no Triton / compiler on this machine: same math, unfused
             _fused["ok"] = False
     return _fp8_quantize_eager(x, inv_scale)

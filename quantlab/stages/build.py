@@ -68,8 +68,9 @@ def _fakequant_exported(cfg: EngineConfig, ctx: BuildContext, limits: Limits) ->
 
 
 def _fakequant_jitter(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> Engine:
-    """The as-exported fake-quant model with embeddings scaled by (1 + 1e-6 N(0,1)): how far a quantized
-    model's top-1 moves under rounding-sized noise. No engine that is not bit-identical can do better."""
+    """The as-exported fake-quant model with embeddings scaled by (1 + s N(0,1)), s = max(1e-6, the compute
+    dtype's eps): how far a quantized model's top-1 moves under rounding-sized noise. No engine that is not
+    bit-identical to fake-quant can be expected to agree with it better."""
     import torch
 
     from quantlab.engines.hf import HFModelEngine
@@ -77,8 +78,11 @@ def _fakequant_jitter(cfg: EngineConfig, ctx: BuildContext, limits: Limits) -> E
     model = _as_exported(ctx)
     emb = model.get_input_embeddings().weight
     gen = torch.Generator(device="cpu").manual_seed(0)
+    # Noise the size of rounding in the compute dtype (1e-6 would vanish in bf16, whose ulp is 7.8e-3).
+    scale = max(JITTER, torch.finfo(emb.dtype).eps)
     with torch.no_grad():
-        emb.mul_(1 + JITTER * torch.randn(emb.shape, generator=gen).to(emb.device, emb.dtype))
+        noise = (scale * torch.randn(emb.shape, generator=gen)).to(emb.device)
+        emb.copy_((emb.float() * (1 + noise)).to(emb.dtype))
     return HFModelEngine(model, limits, "fakequant_jitter")
 
 

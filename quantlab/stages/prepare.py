@@ -81,9 +81,16 @@ def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
 
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantized already, but newer transformers mark a GGUF-loaded model as quantized
+        # and refuse to save it: move them into a plain model built from the same config.
+        config = model.config
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
         # Models read from GGUF carry no `architectures`; ModelOpt's exporter needs it.
-        model.config.architectures = [cfg.embedded.architecture]
-        model.save_pretrained(out, safe_serialization=True)
+        plain.config.architectures = [cfg.embedded.architecture]
+        plain.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
         return {"gguf": gguf.name, "note": cfg.embedded.note}
 

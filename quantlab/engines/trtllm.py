@@ -1,0 +1,95 @@
+"""engine=trtllm: TensorRT-LLM's LLM API on the exported checkpoint; logits via context logits.
+
+Only where `tensorrt_llm` imports (Linux, CUDA GPU). Elsewhere a clear error before any compute.
+Engines of the `tensorrt` backend are saved in the artifact store, keyed by GPU arch x tensorrt_llm version x
+model x checkpoint x build config, and loaded on a rerun instead of rebuilt.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from quantlab.config import EngineConfig
+from quantlab.engines.base import Engine, Limits
+from quantlab.errors import QuantlabError
+
+log = logging.getLogger("quantlab")
+INSTALL_HINT = ("pip install tensorrt_llm on a Linux machine with an NVIDIA GPU (or use NVIDIA's TensorRT-LLM "
+                "container); otherwise use engine=torch, which runs the same checkpoint with deployment numerics")
+BACKENDS = ("pytorch", "tensorrt")
+
+
+def check_available() -> None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        raise QuantlabError("engine=trtllm needs TensorRT-LLM, which is not installed here", fix=INSTALL_HINT)
+
+
+def llm_kwargs(cfg: EngineConfig, checkpoint: Path, limits: Limits, kv_cache_quant_algo: str | None) -> dict:
+    """quantlab config -> keyword arguments of tensorrt_llm.LLM (plain data, so it is testable anywhere)."""
+    if cfg.trtllm_backend not in BACKENDS:
+        raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown", fix=f"use one of {BACKENDS}")
+    kwargs = {
+        "model": str(checkpoint),
+        "tokenizer": str(checkpoint),
+        "backend": cfg.trtllm_backend,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "max_batch_size": limits.max_batch_size,
+        "max_seq_len": limits.max_seq_len,
+        "max_num_tokens": limits.max_batch_size * limits.max_input_len,
+        # FP8 KV cache as exported; block reuse off, or shared prefixes would return logits for the suffix only
+        "kv_cache_config": {"dtype": "fp8" if kv_cache_quant_algo == "FP8" else "auto", "enable_block_reuse": False},
+    }
+    if cfg.trtllm_backend == "tensorrt":
+        kwargs["max_input_len"] = limits.max_input_len
+        kwargs["gather_generation_logits"] = False
+    return kwargs
+
+
+class TrtllmEngine(Engine):
+    name = "trtllm"
+
+    def __init__(self, llm, limits: Limits):
+        super().__init__(limits, "cuda")
+        self.llm = llm
+
+    def _logits(self, tokens):
+        import torch
+        from tensorrt_llm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, return_context_logits=True)
+        outputs = self.llm.generate([row.tolist() for row in tokens], params, use_tqdm=False)
+        return torch.stack([o.context_logits.float() for o in outputs]).to("cuda")
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+def build_trtllm_engine(cfg: EngineConfig, ctx, limits: Limits) -> TrtllmEngine:
+    check_available()
+    import tensorrt_llm
+    from tensorrt_llm import LLM
+    from tensorrt_llm.llmapi import KvCacheConfig
+
+    from quantlab.stages.export import read_quant_config
+
+    ckpt = ctx.checkpoint()
+    kwargs = llm_kwargs(cfg, ckpt.path, limits, read_quant_config(ckpt.path).get("kv_cache_quant_algo"))
+    kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+    if cfg.trtllm_backend != "tensorrt":
+        return TrtllmEngine(LLM(**kwargs), limits)
+    key = ctx.store.key("engine", engine="trtllm", arch=ctx.device.arch, trtllm=tensorrt_llm.__version__,
+                        model=ctx.ref.fingerprint, checkpoint=ckpt.fingerprint, build={k: str(v) for k, v in kwargs.items()})
+    stored = ctx.store.load("engine", key)
+    if stored is not None:
+        log.info("engine: loading the stored TensorRT engine %s", stored.path)
+        return TrtllmEngine(LLM(**{**kwargs, "model": str(stored.path / "engine")}), limits)
+
+    def build(out: Path) -> dict:
+        llm = LLM(**kwargs)
+        llm.save(str(out / "engine"))
+        llm.shutdown()
+        return {"limits": limits.describe(), "tensorrt_llm": tensorrt_llm.__version__}
+
+    art = ctx.store.get_or_build("engine", key, build, {"checkpoint": ckpt.fingerprint}, describe="TensorRT engine build")
+    return TrtllmEngine(LLM(**{**kwargs, "model": str(art.path / "engine")}), limits)
