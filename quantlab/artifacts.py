@@ -148,6 +148,9 @@ class ArtifactStore:
             if found is not None:
                 self.events.append((stage, key, "reused"))
                 return found
+            for stale in (self.root / ".tmp").glob(f"{stage}-{key}-*"):  # an interrupted build of this key
+                log.info("%s: removing the unfinished build %s left by an interrupted run", stage, stale.name)
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / ".tmp" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
             try:

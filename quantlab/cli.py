@@ -110,6 +110,23 @@ def check_argv(args: list[str]) -> list[str]:
     return out
 
 
+def check_output_dir(args: list[str]) -> None:
+    """The run / sweep directory must be creatable; otherwise Hydra fails with a traceback wall."""
+    import os
+
+    multirun = "-m" in args or "--multirun" in args
+    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    target = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith(key)), "outputs")
+    static = Path(target.split("${")[0] or ".").expanduser()
+    probe = static if static.is_absolute() else Path.cwd() / static
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise QuantlabError(f"the output directory {target} cannot be created: {probe} is not a writable directory",
+                            fix="run from a writable directory, or set hydra.run.dir=/a/writable/path "
+                                "(hydra.sweep.dir for sweeps)")
+
+
 def _task(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         args = check_argv(args)
+        check_output_dir(args)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
