@@ -87,6 +87,7 @@ def quantlab(precisions, windows: int, calib: int, seq: int, cache: Path, workdi
         out[doc["run"]["precision"]] = {k: m[k]["value"] for k in ("ppl_reference", "ppl_candidate", "top1_agreement")}
         forwards += doc["run"]["reference_forward_batches"] + doc["run"]["candidate_forward_batches"]
         forwards += rec.get("artifacts", {}).get("quantize", {}).get("calib_forward_batches", 0)
+        print(f"quantlab {doc['run']['precision']}: stage seconds {rec['stage_seconds']}")
     return wall, out, forwards
 
 

@@ -13,10 +13,12 @@ import traceback
 import typing
 from pathlib import Path
 
+from quantlab.artifacts import write_json_atomic
 from quantlab.config import PRECISION_SCHEMAS, Config, calib_data_dir, conf_dir, register_configs
 from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
 
 EXIT_INTERNAL = 3
+STATUS = "status.json"
 GROUPS = ("precision", "kv_cache", "engine", "gate", "model")
 _outcomes: list[int] = []
 log = logging.getLogger("quantlab")
@@ -134,17 +136,20 @@ def _task(dict_cfg) -> None:
     from quantlab.pipeline import run_pipeline
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    error = None
     try:
         cfg = OmegaConf.to_object(dict_cfg)
         code = run_pipeline(cfg, run_dir, OmegaConf.to_container(dict_cfg, resolve=True), sys.argv[1:])
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
-        code = exc.exit_code
+        code, error = exc.exit_code, str(exc)
     except Exception as exc:  # noqa: BLE001 - a bug: keep the traceback, show one paragraph
         trace = run_dir / "traceback.txt"
         trace.write_text(traceback.format_exc())
         print(f"\nquantlab: internal error: {type(exc).__name__}: {exc}\n  traceback: {trace}", file=sys.stderr)
-        code = EXIT_INTERNAL
+        code, error = EXIT_INTERNAL, f"{type(exc).__name__}: {exc}"
+    # Launchers may run this in another process: the exit code also travels through the run directory.
+    write_json_atomic(run_dir / STATUS, {"exit_code": code, "error": error})
     _outcomes.append(code)
 
 

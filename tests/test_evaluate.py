@@ -27,6 +27,13 @@ def _engine(model):
     return HFModelEngine(model, Limits(512, 512, 64), "candidate")
 
 
+def _reference_outputs(cfg, store, ref, evalset):
+    device = resolve_device("cpu")
+    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
+    return evaluate.reference(store, rkey, evalset, cfg.eval,
+                              lambda: _engine(prepare.load_model(ref, device, torch.float32)))
+
+
 def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, shared_cache):
     code = run_api(["+precision=fp8", "engine=reference", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST],
                    tmp_path)
@@ -41,11 +48,8 @@ def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, sh
 
 def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
-    device = resolve_device("cpu")
-    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
-    ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
-                                 lambda: _engine(prepare.load_model(ref, device, torch.float32)))
-    model = prepare.load_model(ref, device, torch.float32)
+    ref_art = _reference_outputs(cfg, store, ref, evalset)
+    model = prepare.load_model(ref, resolve_device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -63,11 +67,9 @@ def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
     from transformers import AutoModelForCausalLM
 
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
-    device = resolve_device("cpu")
-    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
-    ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
-                                 lambda: _engine(prepare.load_model(ref, device, torch.float32)))
-    result = evaluate.compare(_engine(prepare.load_model(ref, device, torch.float32)), ref_art, evalset, cfg.eval, tok)
+    ref_art = _reference_outputs(cfg, store, ref, evalset)
+    result = evaluate.compare(_engine(prepare.load_model(ref, resolve_device("cpu"), torch.float32)), ref_art, evalset,
+                              cfg.eval, tok)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     losses = []
     with torch.no_grad():

@@ -84,7 +84,13 @@ class SweepSummary(Callback):
     """Hydra callback: after a multirun, summarize every run of the sweep."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        from quantlab import cli
+
         sweep_dir = Path(config.hydra.sweep.dir)
+        # Jobs may have run in other processes (joblib, submitit): collect their exit codes from disk.
+        for job in (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
+            status = job / cli.STATUS
+            cli._outcomes.append(json.loads(status.read_text())["exit_code"] if status.is_file() else cli.EXIT_INTERNAL)
         runs = find_runs([sweep_dir])
         if runs:
             md, html = write_summary(sweep_dir, runs)
