@@ -104,6 +104,9 @@ def test_baseline_regression_and_refusal(tiny_llama, tiny_qwen2, tmp_path, share
     assert len(base_checks) == 3 and code == 1
     assert not all(c["passed"] for c in base_checks)
     assert set(doc["gate"]["baseline"]) >= {"top1_agreement", "kl_mean", "dnll_mean", "path"}
+    html = (tmp_path / "cand" / "report.html").read_text()
+    assert 'id="baseline"' in html and "candidate worse by" in html  # side by side, with the paired interval
+    assert "Baseline comparison" in (tmp_path / "cand" / "report.md").read_text()
     # same model re-evaluated against itself as baseline: not worse
     code = run_api(["+precision=fp8", "engine=reference", f"gate.baseline={baseline}", *common], tmp_path / "same")
     assert code == 0
