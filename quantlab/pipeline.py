@@ -124,19 +124,22 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
                                      lambda: build.build("reference", cfg.engine, ctx, limits))
     record["artifacts"]["reference"] = {"path": str(ref_art.path), **ref_art.info}
     if cfg.stop_after == "build":
-        return _finish(record, run_dir, timer, store, start, EXIT_OK, "stopped after build")
+        with timer.stage(f"build:{cfg.engine.name}"):
+            build.build(cfg.engine.name, cfg.engine, ctx, limits).close()
+        return _finish(record, run_dir, timer, store, start, EXIT_OK, f"built the {cfg.engine.name} engine")
 
-    results = {}
+    results, evaluated_now = {}, {}
     names = [cfg.engine.name]
     if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
         names += ["fakequant", "fakequant_exported", "fakequant_jitter"]
     for name in names:
-        with timer.stage(f"build:{name}"):
-            engine = build.build(name, cfg.engine, ctx, limits)
         with timer.stage(f"evaluate:{name}"):
+            candidate = _candidate_identity(name, cfg, ref, qkey, checkpoint)
+            key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits.describe(), device, dtype)
             log.info("evaluate: %s vs reference on %d windows x %d tokens", name, evalset.num_windows, evalset.seq_len)
-            results[name] = evaluate.compare(engine, ref_art, evalset, cfg.eval, tokenizer)
-        engine.close()
+            results[name], evaluated_now[name] = evaluate.evaluate_cached(
+                store, key, lambda name=name: build.build(name, cfg.engine, ctx, limits), ref_art, evalset, cfg.eval,
+                tokenizer)
     result = results[cfg.engine.name]
     attribution = _attribution(results, cfg.engine.name) if len(results) > 1 else None
 
@@ -150,7 +153,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
                 "checkpoint": record["artifacts"].get("export"),
                 "reference_forward_batches": ref_art.info.get("forward_batches", 0)
                 if ("reference", rkey, "built") in store.events else 0,
-                "candidate_forward_batches": result.forward_batches}
+                "candidate_forward_batches": result.forward_batches if evaluated_now[cfg.engine.name] else 0}
     doc = report.metrics_document(run_info, result, verdict, provenance, attribution)
     with timer.stage("report"):
         from quantlab.report import write_run_reports
@@ -166,6 +169,16 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
             f"(top-1 {m['top1_agreement']['value']:.3f}, ppl ratio {m['ppl_ratio']['value']:.3f}, "
             f"KL {m['kl_mean']['value']:.4f})")
     return _finish(record, run_dir, timer, store, start, code, what)
+
+
+def _candidate_identity(name: str, cfg: Config, ref, qkey: str, checkpoint) -> str:
+    """What a candidate's outputs depend on: the exported checkpoint for engines, the calibrated state for
+    fake-quant variants, the model itself for the reference control run."""
+    if name in ("torch", "trtllm"):
+        return f"{checkpoint().fingerprint}:{cfg.engine.trtllm_backend if name == 'trtllm' else ''}"
+    if name == "reference":
+        return ref.fingerprint
+    return qkey
 
 
 def _attribution(results: dict, engine: str) -> dict:

@@ -126,3 +126,16 @@ def test_default_model_end_to_end(tmp_path):
     assert doc["run"]["model"] == "smollm2_135m"
     assert 0.5 < doc["metrics"]["top1_agreement"]["value"] <= 1.0
     assert doc["gate"]["passed"] == (res.returncode == 0)
+
+
+def test_rerun_reads_the_stored_evaluation(tmp_path, tiny_llama):
+    """The candidate evaluation is an artifact too: a rerun reports the same metrics with no forward pass."""
+    cache = tmp_path / "cache"
+    args = ["+precision=int8_sq", f"model.path={tiny_llama}", *FAST]
+    first, second = (run_cli(args, cwd=tmp_path, cache=cache) for _ in range(2))
+    assert first.returncode == second.returncode
+    runs = sorted((tmp_path / "outputs").iterdir())
+    a, b = (read_json(r / "metrics.json") for r in runs)
+    assert a["metrics"] == b["metrics"] and a["windows"] == b["windows"]
+    assert a["run"]["candidate_forward_batches"] > 0 and b["run"]["candidate_forward_batches"] == 0
+    assert (runs[1] / "report.html").is_file()

@@ -84,12 +84,15 @@ def test_metrics_identical_across_batch_sizes(tiny_llama, tmp_path):
     docs = []
     for bs in (1, 4):
         run_dir = tmp_path / f"bs{bs}"
-        run_api(["+precision=int8_sq", f"model.path={tiny_llama}", f"cache_dir={tmp_path / 'cache'}", *FAST,
+        # a cache per batch size: evaluations are cached without batch_size in the key, so sharing one would
+        # compare a result with itself
+        run_api(["+precision=int8_sq", f"model.path={tiny_llama}", f"cache_dir={tmp_path / f'cache{bs}'}", *FAST,
                  f"eval.batch_size={bs}"], run_dir)
         docs.append(read_json(run_dir / "metrics.json"))
     a, b = (d["metrics"] for d in docs)
     for name in a:
         assert a[name]["value"] == b[name]["value"], name
+    assert docs[0]["run"]["candidate_forward_batches"] > 0 and docs[1]["run"]["candidate_forward_batches"] > 0
 
 
 def test_baseline_regression_and_refusal(tiny_llama, tiny_qwen2, tmp_path, shared_cache):

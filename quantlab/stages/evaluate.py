@@ -157,3 +157,47 @@ def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:
         rows.append({"prompt": text(p), "reference": text(r), "candidate": text(c), "first_divergence": d,
                      "reference_common": text(r[:d]), "reference_rest": text(r[d:]), "candidate_rest": text(c[d:])})
     return {"new_tokens": n, "first_divergence": [row["first_divergence"] for row in rows], "samples": rows}
+
+
+# ------------------------------------------------------------------------------------- cached result
+RESULT_JSON, RESULT_ARRAYS = "result.json", "result.safetensors"
+
+
+def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str, cfg: EvalConfig, limits: dict,
+                   device, dtype) -> str:
+    """Identity of one candidate's evaluation. batch_size is left out: results do not depend on it (tested)."""
+    settings = {k: v for k, v in vars(cfg).items() if k not in ("batch_size", "attribution")}
+    return store.key("evaluate", engine=engine, candidate=candidate, reference=rkey, eval=settings, limits=limits,
+                     device=device.arch, dtype=str(dtype), versions=versions())
+
+
+def evaluate_cached(store: ArtifactStore, key: str, make_engine, ref_art: Artifact, evalset: TokenSet,
+                    cfg: EvalConfig, tokenizer=None) -> tuple[EvalResult, bool]:
+    """(result, computed_now): a rerun on the same candidate and data reads the stored result."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    computed = {}
+
+    def build(out: Path) -> dict:
+        engine = make_engine()
+        result = compare(engine, ref_art, evalset, cfg, tokenizer)
+        engine.close()
+        doc = {k: getattr(result, k) for k in ("engine", "metrics", "windows", "positions", "generation",
+                                                 "forward_batches", "seconds")}
+        (out / RESULT_JSON).write_text(json.dumps(doc))
+        save_file({"kl_values": torch.from_numpy(result.kl_values.copy()),
+                   "argmax": torch.from_numpy(result.argmax.copy())}, str(out / RESULT_ARRAYS))
+        computed["result"] = result
+        return {"engine": result.engine, "forward_batches": result.forward_batches, "seconds": result.seconds}
+
+    art = store.get_or_build("evaluate", key, build, {"data": evalset.fingerprint, "versions": versions()},
+                             describe="candidate evaluation")
+    if "result" in computed:
+        return computed["result"], True
+    doc = json.loads((art.path / RESULT_JSON).read_text())
+    arrays = load_file(str(art.path / RESULT_ARRAYS))
+    return EvalResult(doc["engine"], doc["metrics"], doc["windows"], doc["positions"], arrays["kl_values"].numpy(),
+                      doc["generation"], arrays["argmax"].numpy(), doc["forward_batches"], doc["seconds"]), False
