@@ -227,6 +227,9 @@ def load_model(ref: ModelRef, device, dtype, device_map: str | None = None):
         model.config.architectures = [type(model).__name__]
     if not device_map:
         model.to(device.torch)
+    else:
+        placed = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
+        log.info("model.device_map=%s placed the model on: %s", device_map, ", ".join(placed))
     return model.eval()
 
 
