@@ -207,7 +207,8 @@ def _attribution(results: dict, engine: str) -> dict:
             "exported_jitter_floor_top1": agree("fakequant_exported", "fakequant_jitter"),
             "note": "losses vs the reference (top-1 as disagreement 1 - agreement): quantization = fake-quant; "
                     "export = fake-quant after export's re-smoothing minus fake-quant; engine = the engine minus that. "
-                    "exported_jitter_floor_top1 = the as-exported model vs itself under 1e-6 relative input noise: "
+                    "exported_jitter_floor_top1 = the as-exported model vs itself under input noise of rounding size "
+                    "(relative max(1e-6, the compute dtype's eps)): "
                     "the best agreement any implementation that is not bit-identical can reach on this model"}
 
 

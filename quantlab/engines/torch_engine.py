@@ -26,20 +26,15 @@ class CheckpointTensors:
     """Lazy access to every tensor of a checkpoint, with errors that name the tensor."""
 
     def __init__(self, ckpt: Path):
-        from safetensors import safe_open
-
-        from quantlab.stages.prepare import read_safetensors_header
+        from quantlab.stages.prepare import read_safetensors_header, tensor_index
 
         self.ckpt = ckpt
-        self.where: dict[str, object] = {}
         files = sorted(ckpt.glob("*.safetensors"))
         if not files:
             raise QuantlabError(f"checkpoint {ckpt} has no safetensors files")
         for f in files:
             read_safetensors_header(f)  # truncation / corruption, before any tensor is read
-            handle = safe_open(str(f), "pt")
-            self.where.update({k: handle for k in handle.keys()})
-        self.used: set[str] = set()
+        self.where = tensor_index(ckpt)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -55,7 +50,6 @@ class CheckpointTensors:
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise QuantlabError(f"tensor {name} in {self.ckpt} has shape {list(t.shape)}, expected {list(shape)}",
                                 fix="re-export the checkpoint; scales and weights do not match")
-        self.used.add(name)
         return t
 
     def optional(self, name: str) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
+from quantlab.artifacts import write_text_atomic
 from quantlab.metrics import REGISTRY
 from quantlab.stages.report import TABLE_METRICS, fmt
 
@@ -23,12 +24,6 @@ def environment() -> Environment:
                       undefined=StrictUndefined, trim_blocks=False, lstrip_blocks=False)
     env.filters["num"] = fmt
     return env
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
@@ -51,7 +46,7 @@ def write_run_reports(run_dir: Path, doc: dict, kl_values, checkpoint: Path | No
                ("Weight SQNR per linear layer", plots.sqnr_bars(sqnr))]
     env = environment()
     ctx = context(doc, figures)
-    _atomic_write(run_dir / "report.md", env.get_template("report.md.j2").render(ctx))
-    _atomic_write(run_dir / "report.html", env.get_template("report.html.j2").render(ctx))
+    write_text_atomic(run_dir / "report.md", env.get_template("report.md.j2").render(ctx))
+    write_text_atomic(run_dir / "report.html", env.get_template("report.html.j2").render(ctx))
     worst = sorted(sqnr, key=lambda r: r["sqnr_db"])[:5]
     return {"weight_sqnr_worst": worst, "weight_sqnr_layers": len(sqnr)}

@@ -11,21 +11,12 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from quantlab.engines.qlayers import unpack_int4
+from quantlab.stages.prepare import tensor_index
 
 # Which norm feeds which projection, for the Llama / Qwen2 / Mistral layout.
 NORM_OF = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
            "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}
-
-
-def _open(path: Path) -> dict:
-    where = {}
-    for f in sorted(path.glob("*.safetensors")):
-        h = safe_open(str(f), "pt")
-        where.update({k: h for k in h.keys()})
-    return where
 
 
 def _dequant(t, layer: str, algo: str, block: int | None) -> torch.Tensor:
@@ -43,7 +34,7 @@ def weight_sqnr(checkpoint: Path, original: Path) -> list[dict]:
     algo, block = quant.get("quant_algo"), quant.get("group_size")
     if algo not in ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"):
         return []
-    exp, orig = _open(checkpoint), _open(original)
+    exp, orig = tensor_index(checkpoint), tensor_index(original)
     rows = []
     for key in sorted(exp, key=_layer_order):
         if not key.endswith(".weight_scale"):

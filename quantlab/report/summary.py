@@ -11,7 +11,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from quantlab.report import _atomic_write, environment
+from quantlab.artifacts import write_json_atomic, write_text_atomic
+from quantlab.report import environment
 from quantlab.report.plots import pareto, pareto_front
 
 log = logging.getLogger("quantlab")
@@ -74,9 +75,9 @@ def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
     env = environment()
     out_dir.mkdir(parents=True, exist_ok=True)
     md, html = out_dir / "summary.md", out_dir / "summary.html"
-    _atomic_write(md, env.get_template("summary.md.j2").render(ctx))
-    _atomic_write(html, env.get_template("summary.html.j2").render(ctx))
-    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    write_text_atomic(md, env.get_template("summary.md.j2").render(ctx))
+    write_text_atomic(html, env.get_template("summary.html.j2").render(ctx))
+    write_json_atomic(out_dir / "summary.json", rows)
     return md, html
 
 

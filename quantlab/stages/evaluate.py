@@ -100,7 +100,6 @@ def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfi
 
 # ---------------------------------------------------------------------------------------- candidate
 def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, tokenizer=None) -> EvalResult:
-    import torch
     from safetensors import safe_open
 
     w, t = evalset.num_windows, evalset.seq_len - 1

@@ -172,6 +172,17 @@ def read_safetensors_header(file: Path) -> dict:
     return header
 
 
+def tensor_index(directory: Path) -> dict:
+    """Tensor name -> open safetensors handle, over every *.safetensors file in directory (nothing loaded)."""
+    from safetensors import safe_open
+
+    index = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        handle = safe_open(str(f), "pt")
+        index.update({name: handle for name in handle.keys()})
+    return index
+
+
 def _check_shapes(path: Path, config: dict, headers: dict[str, dict], trust_remote_code: bool) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

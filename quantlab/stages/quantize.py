@@ -15,7 +15,7 @@ from pathlib import Path
 from quantlab.artifacts import Artifact, ArtifactStore
 from quantlab.env import Device, versions
 from quantlab.stages.data import TokenSet
-from quantlab.stages.prepare import ModelRef, load_model
+from quantlab.stages.prepare import ModelRef, load_model, tensor_index
 
 log = logging.getLogger("quantlab")
 
@@ -110,13 +110,9 @@ def save_state(model, ref: ModelRef, out: Path) -> dict:
     """Write ModelOpt's metadata and every tensor that differs from the checkpoint on disk."""
     import modelopt.torch.opt as mto
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    on_disk = {}
-    for f in sorted(ref.path.glob("*.safetensors")):
-        handle = safe_open(str(f), "pt")
-        on_disk.update({k: handle for k in handle.keys()})
+    on_disk = tensor_index(ref.path)
     keep = {}
     for name, tensor in model.state_dict().items():
         if name in on_disk:

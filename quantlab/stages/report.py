@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from quantlab.artifacts import write_json_atomic
+from quantlab.artifacts import write_json_atomic, write_text_atomic
 from quantlab.stages.gate import METRICS_SCHEMA
 
 TABLE_METRICS = ("top1_agreement", "ppl_reference", "ppl_candidate", "ppl_ratio", "kl_mean", "kl_p99",
@@ -42,9 +42,7 @@ def write_junit(run_dir: Path, doc: dict) -> Path:
     root = ET.Element("testsuites")
     root.append(suite)
     path = run_dir / "junit.xml"
-    tmp = path.with_suffix(".xml.tmp")
-    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
-    tmp.replace(path)
+    write_text_atomic(path, ET.tostring(root, encoding="unicode", xml_declaration=True))
     return path
 
 
