@@ -135,8 +135,13 @@ class ArtifactStore:
         build: Callable[[Path], dict],
         manifest_extra: dict,
         describe: str = "",
+        cost: dict | None = None,
     ) -> Artifact:
-        """Return the artifact for key, building it with build(tmp_dir) -> info once across processes."""
+        """Return the artifact for key, building it with build(tmp_dir) -> info once across processes.
+
+        cost: what the build's time depends on (device, variant, params, size); recorded with the wall time
+        (less info["upstream_seconds"], time the build spent making its inputs) and the machine, so that
+        quantlab.plan can predict later builds (see quantlab/costs.py)."""
         found = self.load(stage, key)
         if found is not None:
             self.events.append((stage, key, "reused"))
@@ -173,6 +178,13 @@ class ArtifactStore:
                     "info": info,
                     **manifest_extra,
                 }
+                if cost is not None:
+                    from quantlab.costs import record
+
+                    # time spent inside build() obtaining an input (e.g. calibrating the model an export
+                    # writes) belongs to the stage that made the input
+                    own = manifest["wall_time_s"] - float(info.get("upstream_seconds", 0.0))
+                    manifest["cost"] = record(stage, round(max(own, 0.0), 3), cost)
                 write_json_atomic(tmp / MANIFEST, manifest)
                 final = self.path(stage, key)
                 final.parent.mkdir(parents=True, exist_ok=True)

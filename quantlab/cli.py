@@ -18,6 +18,7 @@ from quantlab.config import PRECISION_SCHEMAS, Config, calib_data_dir, conf_dir,
 from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
 
 EXIT_INTERNAL = 3
+HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 STATUS = "status.json"
 GROUPS = ("precision", "kv_cache", "engine", "gate", "model")
 _outcomes: list[int] = []
@@ -157,12 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     import hydra
 
     args = list(sys.argv[1:] if argv is None else argv)
+    plan_only = "--plan" in args
+    args = [a for a in args if a != "--plan"]
     try:
         args = check_argv(args)
-        check_output_dir(args)
+        if not plan_only:
+            check_output_dir(args)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if plan_only or (("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)):
+        from quantlab.plan import print_plan
+
+        code = print_plan(args, strict=plan_only)
+        if plan_only:
+            return code
     sys.argv = [sys.argv[0]] + args
     register_configs()
     _outcomes.clear()

@@ -59,6 +59,9 @@ class DataConfig:
     text_field: str = "text"  # jsonl / datasets column holding the text
     seq_len: int = 512
     seed: int = 0
+    # eos | bos: every window is that token followed by seq_len - 1 text tokens, so the first text token is
+    # scored too (lm-evaluation-harness's rolling-loglikelihood convention); null: plain text windows
+    prefix_token: Optional[str] = None
 
 
 @dataclass

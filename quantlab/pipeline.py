@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from quantlab import preflight
+from quantlab import costs, preflight
 from quantlab.artifacts import ArtifactStore, write_json_atomic
 from quantlab.config import Config
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
@@ -79,6 +79,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     req = quantize.QuantizeRequest(describe(cfg.precision, cfg.kv_cache, block),
                                    modelopt_config(cfg.precision, cfg.kv_cache, block), cfg.calib.batch_size)
     qkey = quantize.key(store, ref, calib, req, device, dtype)
+    calib_tokens, eval_tokens = calib.num_windows * calib.seq_len, evalset.num_windows * evalset.seq_len
+    work = costs.run_work(cfg, device, ref.num_params, calib_tokens, eval_tokens)
     ekey = export.key(store, qkey)
     record["recipe"] = req.recipe
     record["artifacts"] = {"prepare": {"path": str(ref.path), "fingerprint": ref.fingerprint}}
@@ -87,7 +89,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     def quantized(fresh_copy: bool = False):
         """The calibrated fake-quant model: calibrated here, or restored from the cached state."""
         with timer.stage("quantize"):
-            qart, model = quantize.run(store, qkey, ref, calib, req, device, dtype, cfg.model.device_map)
+            qart, model = quantize.run(store, qkey, ref, calib, req, device, dtype, cfg.model.device_map,
+                                       cost=work["quantize"])
         record["artifacts"]["quantize"] = {"path": str(qart.path), "fingerprint": qart.fingerprint, **qart.info}
         if model is not None and not fresh_copy:
             return model
@@ -99,7 +102,8 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
                 ckpt = store.load("export", ekey) if not cfg.engine.checkpoint else \
                     export.external(cfg.engine.checkpoint, spec.quant_algo, kv_quant_algo(cfg.kv_cache))
                 if ckpt is None:
-                    ckpt = export.run(store, ekey, quantized, ref, spec.quant_algo, kv_quant_algo(cfg.kv_cache))
+                    ckpt = export.run(store, ekey, quantized, ref, spec.quant_algo, kv_quant_algo(cfg.kv_cache),
+                                      cost=work["export"])
                 else:
                     store.events.append(("export", ekey, "reused"))
                     log.info("export: reusing %s (no calibration needed)", ckpt.path)
@@ -121,7 +125,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     with timer.stage("reference"):
         rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, dtype)
         ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
-                                     lambda: build.build("reference", cfg.engine, ctx, limits))
+                                     lambda: build.build("reference", cfg.engine, ctx, limits), cost=work["reference"])
     record["artifacts"]["reference"] = {"path": str(ref_art.path), **ref_art.info}
     if cfg.stop_after == "build":
         with timer.stage(f"build:{cfg.engine.name}"):
@@ -139,7 +143,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
             log.info("evaluate: %s vs reference on %d windows x %d tokens", name, evalset.num_windows, evalset.seq_len)
             results[name], evaluated_now[name] = evaluate.evaluate_cached(
                 store, key, lambda name=name: build.build(name, cfg.engine, ctx, limits), ref_art, evalset, cfg.eval,
-                tokenizer)
+                tokenizer, cost=costs.run_work(cfg, device, ref.num_params, calib_tokens, eval_tokens, name)["evaluate"])
     result = results[cfg.engine.name]
     attribution = _attribution(results, cfg.engine.name) if len(results) > 1 else None
 

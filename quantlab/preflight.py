@@ -29,6 +29,15 @@ def check_config(cfg: Config) -> None:
     for knob, value in positive.items():
         if value <= 0:
             raise QuantlabError(f"{knob}={value} must be a positive number", fix=f"set {knob} to 1 or more")
+    if cfg.eval.seq_len < 2:
+        raise QuantlabError(f"eval.seq_len={cfg.eval.seq_len}: a window needs 2 tokens or more to score one",
+                            fix="set eval.seq_len to 2 or more")
+    for knob, data in (("calib", cfg.calib), ("eval", cfg.eval)):
+        if data.prefix_token not in (None, "eos", "bos"):
+            raise QuantlabError(f"{knob}.prefix_token={data.prefix_token!r} is not supported", fix="use eos, bos or null")
+        if data.prefix_token and data.seq_len < 2:
+            raise QuantlabError(f"{knob}.seq_len={data.seq_len} leaves no room for text after the prefix token",
+                                fix=f"set {knob}.seq_len to 2 or more")
     for knob in ("eval.gen_prompts", "eval.gen_prompt_len", "eval.gen_tokens"):
         if getattr(cfg.eval, knob.split(".")[1]) < 0:
             raise QuantlabError(f"{knob} must be 0 or more")

@@ -67,6 +67,8 @@ ERRORS = [
     (["+precision=fp8", "model.path={llama}", "engine.max_seq_len=128", "eval.seq_len=256"], "max_input_len=128"),
     (["+precision=fp8", "model.path={llama}", "calib.dataset=cnn_dailymail"], "not available here"),
     (["+precision=fp8", "model.path={llama}", "gate.baseline={files}/short.txt"], "is not JSON"),
+    (["+precision=fp8", "eval.prefix_token=cls"], "eval.prefix_token='cls' is not supported"),
+    (["+precision=fp8", "eval.seq_len=1"], "a window needs 2 tokens or more"),
 ]
 
 

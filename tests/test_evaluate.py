@@ -80,6 +80,30 @@ def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
     assert result.metrics["ppl_candidate"]["value"] == pytest.approx(direct, rel=1e-4)
 
 
+def test_prefix_token_windows_score_every_text_token(tiny_llama, tmp_path):
+    """eval.prefix_token=eos: each window is EOS + seq_len - 1 consecutive text tokens (lm-eval's convention),
+    so every text token is scored, the first one of each window given only the prefix."""
+    cfg, store, ref, tok, evalset = _setup(tiny_llama, tmp_path / "cache", ["eval.prefix_token=eos"])
+    text, _ = data.read_text(cfg.eval, "eval")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    width = cfg.eval.seq_len - 1
+    assert evalset.seq_len == cfg.eval.seq_len
+    assert (evalset.tokens[:, 0] == tok.eos_token_id).all()
+    for i, window in enumerate(evalset.tokens):
+        assert window[1:].tolist() == ids[i * width:(i + 1) * width]
+    ref_art = _reference_outputs(cfg, store, ref, evalset)
+    from safetensors.torch import load_file
+
+    nll = load_file(str(ref_art.path / evaluate.REF_FILE))["nll"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for window, ours in zip(evalset.tokens, nll):
+            direct = model(window[None], labels=window[None]).loss.item() * width  # mean over the width text tokens
+            assert ours.sum().item() == pytest.approx(direct, rel=1e-5)
+
+
 def test_metrics_identical_across_batch_sizes(tiny_llama, tmp_path):
     docs = []
     for bs in (1, 4):

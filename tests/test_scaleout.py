@@ -44,3 +44,78 @@ def test_sweep_exit_code_comes_from_every_job(tiny_llama, tmp_path):
     res = run_cli(["-m", PRECISIONS, f"model.path={tiny_llama}", *FAST, "gate.thresholds.top1_agreement.min=0.9999",
                    "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], cwd=tmp_path, cache=tmp_path / "cache")
     assert res.returncode == 1, res.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------- plan
+def _plan_statuses(args, cache, monkeypatch):
+    from quantlab.plan import make_plan
+
+    monkeypatch.setenv("QUANTLAB_CACHE", str(cache))
+    plans, _, _ = make_plan(args)
+    return plans
+
+
+def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
+    """--plan writes nothing; the printed plan before a sweep says exactly which artifacts are cached, which
+    are built, and which one run builds for another; estimates come from the earlier builds' cost records."""
+    cache = tmp_path / "cache"
+    args = ["-m", PRECISIONS, f"model.path={tiny_llama}", *FAST]
+    res = run_cli(["--plan", *args], cwd=tmp_path, cache=cache)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "quantlab plan: 2 runs" in res.stdout and "build ?" in res.stdout, res.stdout
+    assert not list(cache.glob("*/*/manifest.json")) and not (tmp_path / "outputs").exists(), "--plan wrote something"
+
+    # one precision first: its cost records are the history the plan predicts the second from
+    assert run_cli(["-m", "+precision=fp8", f"model.path={tiny_llama}", *FAST], cwd=tmp_path, cache=cache).returncode == 0
+    plans = _plan_statuses(args, cache, monkeypatch)
+    fp8, int8 = plans
+    assert {s.stage: s.status for s in fp8.steps} == {"prepare": "local", "data:calib": "cached", "data:eval": "cached",
+                                                        "quantize": "cached", "export": "cached",
+                                                        "reference": "cached", "evaluate": "cached"}
+    todo = {s.stage: s for s in int8.steps if s.status == "build"}
+    assert set(todo) == {"quantize", "export", "evaluate"}
+    recorded = {read_json(m)["cost"]["stage"]: read_json(m)["cost"]["wall_time_s"]
+                for m in cache.glob("*/*/manifest.json") if "cost" in read_json(m)}
+    for stage, step in todo.items():  # same model and tokens, other precision: the fp8 build's time, marked rough
+        assert step.estimate.rough and step.estimate.seconds == pytest.approx(recorded[stage]), stage
+
+    (tmp_path / "sweep").mkdir()
+    res = run_cli(args, cwd=tmp_path / "sweep", cache=cache)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.index("quantlab plan: 2 runs") < res.stdout.index("quantlab: fp8"), "plan not printed first"
+    for plan, run_json in zip(plans, sorted((tmp_path / "sweep").glob("outputs/sweep_*/*/run.json"))):
+        events = {(e["stage"], e["key"]): e["action"] for e in read_json(run_json)["events"]}
+        built_stages = [s for (s, _), action in events.items() if action == "built"]
+        for step in plan.steps:
+            if step.status == "build" and step.placeholder:  # the key depends on a checkpoint built in this run
+                assert step.stage in built_stages, (plan.label, step)
+            elif step.status == "build":
+                assert events.get((step.stage.split(":")[0], step.key)) == "built", (plan.label, step)
+            elif step.status == "cached" and step.stage in ("export", "reference", "evaluate"):
+                assert events.get((step.stage, step.key)) == "reused", (plan.label, step)
+
+
+def test_plan_reports_bad_runs(tiny_llama, tmp_path):
+    """A run the sweep would reject is shown as such in the plan, and --plan exits 2 for it."""
+    res = run_cli(["--plan", "-m", "+precision=int4_awq", "precision.block_size=16,48", f"model.path={tiny_llama}",
+                   *FAST], cwd=tmp_path, cache=tmp_path / "cache")
+    assert res.returncode == 2, res.stdout + res.stderr[-2000:]
+    row16, row48 = [line for line in res.stdout.splitlines() if "precision.block_size=" in line]
+    assert "build ?" in row16 and "error: AWQ block size 48 does not divide" in row48, res.stdout
+
+
+def test_cost_estimates():
+    from quantlab.costs import estimate, record, work
+
+    def rec(seconds, variant="fp8", size=1000, params=10, machine=None):
+        r = record("evaluate", seconds, work("cpu:x", variant, params, size))
+        return {**r, "machine": machine or r["machine"]}
+
+    assert not estimate([], "evaluate", work("cpu:x", "fp8", 10, 1000)).known
+    assert not estimate([rec(5.0, machine="elsewhere")], "evaluate", work("cpu:x", "fp8", 10, 1000)).known
+    one = estimate([rec(5.0)], "evaluate", work("cpu:x", "fp8", 20, 3000))  # proportional in size and params
+    assert one.seconds == pytest.approx(30.0) and not one.rough
+    fit = estimate([rec(3.0, size=1000), rec(5.0, size=2000), rec(9.0, size=4000)], "evaluate", work("cpu:x", "fp8", 10, 8000))
+    assert fit.seconds == pytest.approx(17.0) and "1.0 s fixed" in fit.basis  # 1 s + 2 s per 1000
+    rough = estimate([rec(4.0, variant="int8_sq")], "evaluate", work("cpu:x", "fp8", 10, 1000))
+    assert rough.seconds == pytest.approx(4.0) and rough.rough

@@ -3,7 +3,8 @@
 Text sources, first match wins: `path` (a local .txt or .jsonl file), `dataset` (HF datasets, where
 available), else the documentation text Python ships (pydoc_data.topics), split by topic name into a
 calibration part and an evaluation part. Documents are joined with "\\n\\n", tokenized once, and cut into
-non-overlapping windows of seq_len tokens (tail dropped).
+non-overlapping windows of seq_len tokens (tail dropped). With prefix_token=eos|bos each window is that token
+followed by seq_len - 1 text tokens.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantlab import costs
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import CalibConfig, DataConfig
 from quantlab.errors import QuantlabError
@@ -115,20 +117,45 @@ def read_text(cfg: DataConfig, role: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ windows
+def key(cfg: DataConfig, role: str, model_fp: str, store: ArtifactStore) -> tuple[str, str, str]:
+    """(key, text, description): what a token set is identified by, without tokenizing."""
+    text, desc = read_text(cfg, role)
+    text_sha = hashlib.sha256(text.encode()).hexdigest()
+    return store.key("data", role=role, text=text_sha, model=model_fp, recipe=_recipe(cfg)), text, desc
+
+
+def _recipe(cfg: DataConfig) -> dict:
+    count = cfg.num_samples if isinstance(cfg, CalibConfig) else cfg.max_windows
+    recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": count, "split": cfg.split}
+    if cfg.prefix_token:
+        recipe["prefix_token"] = cfg.prefix_token
+    return recipe
+
+
+def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
+    if not cfg.prefix_token:
+        return None
+    token_id = getattr(tokenizer, f"{cfg.prefix_token}_token_id", None)
+    if token_id is None:
+        raise QuantlabError(f"{knob}.prefix_token={cfg.prefix_token}: the tokenizer has no {cfg.prefix_token} token",
+                            fix=f"use {knob}.prefix_token={'bos' if cfg.prefix_token == 'eos' else 'eos'} or null")
+    return int(token_id)
+
+
 def run(cfg: DataConfig, role: str, model_fp: str, tokenizer, store: ArtifactStore) -> TokenSet:
     import torch
     from safetensors.torch import load_file, save_file
 
-    text, desc = read_text(cfg, role)
+    key_, text, desc = key(cfg, role, model_fp, store)
     text_sha = hashlib.sha256(text.encode()).hexdigest()
-    count = cfg.num_samples if isinstance(cfg, CalibConfig) else cfg.max_windows
-    recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": count, "split": cfg.split}
-    key = store.key("data", role=role, text=text_sha, model=model_fp, recipe=recipe)
+    recipe = _recipe(cfg)
     knob = "calib" if role == "calib" else "eval"
 
     def build(out: Path) -> dict:
-        ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
-        n_full = len(ids) // cfg.seq_len
+        prefix = _prefix_id(cfg, tokenizer, knob)
+        ids = tokenizer(text, add_special_tokens=prefix is None, verbose=False)["input_ids"]
+        width = cfg.seq_len - (prefix is not None)  # text tokens per window
+        n_full = len(ids) // width
         if role == "calib":
             if n_full < cfg.num_samples:
                 raise QuantlabError(
@@ -143,13 +170,15 @@ def run(cfg: DataConfig, role: str, model_fp: str, tokenizer, store: ArtifactSto
                 raise QuantlabError(f"evaluation text has {len(ids)} tokens, shorter than one window of eval.seq_len={cfg.seq_len}",
                                     fix="give more text or lower eval.seq_len")
             pick = torch.arange(min(n_full, cfg.max_windows or n_full))
-        flat = torch.tensor(ids[: n_full * cfg.seq_len], dtype=torch.long).view(n_full, cfg.seq_len)
+        flat = torch.tensor(ids[: n_full * width], dtype=torch.long).view(n_full, width)
+        if prefix is not None:
+            flat = torch.cat([torch.full((n_full, 1), prefix, dtype=torch.long), flat], dim=1)
         save_file({"tokens": flat[pick].contiguous()}, str(out / "tokens.safetensors"))
         return {"source": desc, "text_sha256": text_sha, "text_chars": len(text), "total_tokens": len(ids),
                 "full_windows": n_full, "windows": int(pick.numel()), "seq_len": cfg.seq_len}
 
-    art = store.get_or_build("data", key, build, {"role": role, "recipe": recipe, "model": model_fp},
-                             describe=f"tokenizing {knob} data")
+    art = store.get_or_build("data", key_, build, {"role": role, "recipe": recipe, "model": model_fp},
+                             describe=f"tokenizing {knob} data", cost=costs.work("cpu", role, size=len(text)))
     tokens = load_file(str(art.path / "tokens.safetensors"))["tokens"]
     info = dict(art.info)
     log.info("%s data: %s, %d windows x %d tokens", knob, info["source"], tokens.shape[0], tokens.shape[1])

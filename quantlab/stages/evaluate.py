@@ -63,7 +63,8 @@ def reference_key(store: ArtifactStore, model_fp: str, evalset: TokenSet, cfg: E
                      topk=cfg.topk, gen=[cfg.gen_prompts, cfg.gen_prompt_len, cfg.gen_tokens], versions=versions())
 
 
-def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfig, make_engine) -> Artifact:
+def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfig, make_engine,
+              cost: dict | None = None) -> Artifact:
     """make_engine() -> the reference engine; called only when the outputs are not cached."""
 
     def build(out: Path) -> dict:
@@ -95,7 +96,7 @@ def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfi
         return info
 
     return store.get_or_build("reference", rkey, build, {"data": evalset.fingerprint, "versions": versions()},
-                              describe="reference outputs")
+                              describe="reference outputs", cost=cost)
 
 
 # ---------------------------------------------------------------------------------------- candidate
@@ -171,7 +172,7 @@ def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str,
 
 
 def evaluate_cached(store: ArtifactStore, key: str, make_engine, ref_art: Artifact, evalset: TokenSet,
-                    cfg: EvalConfig, tokenizer=None) -> tuple[EvalResult, bool]:
+                    cfg: EvalConfig, tokenizer=None, cost: dict | None = None) -> tuple[EvalResult, bool]:
     """(result, computed_now): a rerun on the same candidate and data reads the stored result."""
     import json
 
@@ -193,7 +194,7 @@ def evaluate_cached(store: ArtifactStore, key: str, make_engine, ref_art: Artifa
         return {"engine": result.engine, "forward_batches": result.forward_batches, "seconds": result.seconds}
 
     art = store.get_or_build("evaluate", key, build, {"data": evalset.fingerprint, "versions": versions()},
-                             describe="candidate evaluation")
+                             describe="candidate evaluation", cost=cost)
     if "result" in computed:
         return computed["result"], True
     doc = json.loads((art.path / RESULT_JSON).read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from quantlab.artifacts import Artifact, ArtifactStore, fingerprint_files, fingerprint_of
@@ -26,14 +27,17 @@ def read_quant_config(ckpt: Path) -> dict:
     return json.loads(cfg_file.read_text())["quantization"] if cfg_file.is_file() else {}
 
 
-def run(store: ArtifactStore, ekey: str, get_model, ref: ModelRef, expect_algo: str, expect_kv: str | None) -> Artifact:
+def run(store: ArtifactStore, ekey: str, get_model, ref: ModelRef, expect_algo: str, expect_kv: str | None,
+        cost: dict | None = None) -> Artifact:
     """get_model() returns the calibrated fake-quant model; it is called only when the export is not cached."""
 
     def build(out: Path) -> dict:
         import torch
         from modelopt.torch.export import export_hf_checkpoint
 
+        start = time.time()
         model = get_model()
+        upstream = time.time() - start
         if not model.config.architectures:
             model.config.architectures = [type(model).__name__]
         log.info("export: writing the unified HF checkpoint")
@@ -48,10 +52,11 @@ def run(store: ArtifactStore, ekey: str, get_model, ref: ModelRef, expect_algo: 
                                f"expected {expect_algo} / {expect_kv}")
         size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         return {"quant_algo": quant["quant_algo"], "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
-                "group_size": quant.get("group_size"), "safetensors_bytes": size}
+                "group_size": quant.get("group_size"), "safetensors_bytes": size,
+                "upstream_seconds": round(upstream, 3)}
 
     return store.get_or_build("export", ekey, build, {"model": ref.fingerprint, "versions": versions()},
-                              describe="export")
+                              describe="export", cost=cost)
 
 
 def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantlab import costs
 from quantlab.artifacts import ArtifactStore, fingerprint_files, fingerprint_of, sha256_file
 from quantlab.config import ModelConfig
 from quantlab.env import versions
@@ -33,6 +34,20 @@ class ModelRef:
     config: dict = field(repr=False)
     trust_remote_code: bool = False
     preferred_awq_block: int | None = None
+
+    @property
+    def num_params(self) -> int:
+        """Parameters in the checkpoint, from the safetensors headers (no tensor is read)."""
+        if "_num_params" not in self.__dict__:
+            total = 0
+            for file in sorted(self.path.glob("*.safetensors")):
+                for meta in read_safetensors_header(file).values():
+                    n = 1
+                    for d in meta["shape"]:
+                        n *= d
+                    total += n
+            self.__dict__["_num_params"] = total
+        return self.__dict__["_num_params"]
 
     @property
     def max_positions(self) -> int | None:
@@ -69,10 +84,42 @@ def _embedded_file(cfg: ModelConfig) -> Path:
     return gguf
 
 
+_sha_memo: dict[tuple, str] = {}
+
+
+def _file_sha(path: Path) -> str:
+    stat = path.stat()
+    memo_key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if memo_key not in _sha_memo:
+        _sha_memo[memo_key] = sha256_file(path)
+    return _sha_memo[memo_key]
+
+
+def embedded_key(cfg: ModelConfig, store: ArtifactStore) -> str:
+    return store.key("prepare", gguf=_file_sha(_embedded_file(cfg)), arch=cfg.embedded.architecture,
+                     transformers=versions()["transformers"])
+
+
+def lookup(cfg: ModelConfig, store: ArtifactStore) -> tuple[str, ModelRef | None]:
+    """(prepare key, the model if it is ready) without converting anything: for plans."""
+    if cfg.path:
+        ref = _local(cfg)
+        return ref.fingerprint, ref
+    if cfg.embedded is None:
+        raise QuantlabError("no model given", fix="set model.path=/path/to/hf_checkpoint or use model=smollm2_135m")
+    key = embedded_key(cfg, store)
+    art = store.load("prepare", key, verify=False)
+    return key, (_embedded_ref(cfg, art) if art else None)
+
+
+def _embedded_ref(cfg: ModelConfig, art) -> ModelRef:
+    config = json.loads((art.path / "config.json").read_text())
+    return ModelRef(cfg.name, art.path, art.fingerprint, "embedded", config, False, cfg.embedded.awq_block_size)
+
+
 def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
     gguf = _embedded_file(cfg)
-    key = store.key("prepare", gguf=sha256_file(gguf), arch=cfg.embedded.architecture,
-                    transformers=versions()["transformers"])
+    key = embedded_key(cfg, store)
 
     def convert(out: Path) -> dict:
         log.info("converting %s to an HF checkpoint (once; about 20-40 s on a laptop CPU)", gguf.name)
@@ -94,9 +141,9 @@ def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
         tok.save_pretrained(out)
         return {"gguf": gguf.name, "note": cfg.embedded.note}
 
-    art = store.get_or_build("prepare", key, convert, {"model": cfg.name}, describe=f"converting {gguf.name}")
-    config = json.loads((art.path / "config.json").read_text())
-    return ModelRef(cfg.name, art.path, art.fingerprint, "embedded", config, False, cfg.embedded.awq_block_size)
+    art = store.get_or_build("prepare", key, convert, {"model": cfg.name}, describe=f"converting {gguf.name}",
+                             cost=costs.work("cpu", gguf.name))
+    return _embedded_ref(cfg, art)
 
 
 # ---------------------------------------------------------------------------------------------- local

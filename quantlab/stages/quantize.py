@@ -126,7 +126,7 @@ def save_state(model, ref: ModelRef, out: Path) -> dict:
 
 
 def run(store: ArtifactStore, qkey: str, ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype,
-        device_map=None) -> tuple[Artifact, object | None]:
+        device_map=None, cost: dict | None = None) -> tuple[Artifact, object | None]:
     """The calibrated-state artifact, and the live model when it was calibrated in this call."""
     live = {}
 
@@ -139,7 +139,7 @@ def run(store: ArtifactStore, qkey: str, ref: ModelRef, calib: TokenSet, req: Qu
     art = store.get_or_build("quantize", qkey, build, {"recipe": req.recipe, "model": ref.fingerprint,
                                                         "calib": calib.fingerprint, "versions": versions(),
                                                         "device": device.describe()},
-                             describe="calibration")
+                             describe="calibration", cost=cost)
     return art, live.get("model")
 
 

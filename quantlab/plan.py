@@ -1,0 +1,293 @@
+"""The plan of a sweep, printed before it starts: the runs, which artifacts the cache already holds, and how
+long the rest should take, predicted from the cost records of earlier builds on this machine.
+
+    python -m quantlab -m +precision=fp8,int8_sq,int4_awq          # plan, then the sweep
+    python -m quantlab --plan -m +precision=fp8,int8_sq,int4_awq   # plan only (exit 2 if a run has bad input)
+
+Nothing is built or written here: keys are computed exactly as the pipeline computes them; where an input is
+not built yet, the key is a placeholder and everything downstream of it is to be built.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from quantlab import costs
+from quantlab.artifacts import ArtifactStore
+from quantlab.errors import EXIT_BAD_INPUT, EXIT_OK, QuantlabError
+
+log = logging.getLogger("quantlab")
+
+COLUMNS = ("prepare", "data:calib", "data:eval", "quantize", "export", "reference", "evaluate")
+
+
+@dataclass
+class Step:
+    stage: str  # one of COLUMNS; several "evaluate" steps when attribution adds fake-quant variants
+    key: str
+    status: str  # cached | build | shared (built by an earlier run of this sweep) | local | external | not needed
+    estimate: costs.Estimate | None = None
+    placeholder: bool = False  # an input is not built yet, so the real key is not known before the run
+
+
+@dataclass
+class RunPlan:
+    label: str
+    steps: list[Step] = field(default_factory=list)
+    error: str | None = None
+
+    def seconds(self) -> float:
+        return sum(s.estimate.seconds for s in self.steps if s.status == "build" and s.estimate and s.estimate.known)
+
+
+# ------------------------------------------------------------------------------------------- jobs
+def expand(args: list[str]) -> list[list[str]]:
+    """The override list of every job, in the order Hydra's basic sweeper launches them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    task = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    parsed = OverridesParser.create().parse_overrides(task)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _labels(jobs: list[list[str]]) -> list[str]:
+    """Each job named by the overrides that differ between jobs (all of them for a single run)."""
+    varying = {i for i in range(len(jobs[0])) if len({job[i] for job in jobs}) > 1} if len(jobs) > 1 else None
+    out = []
+    for job in jobs:
+        shown = [o for i, o in enumerate(job) if varying is None or i in varying]
+        out.append(" ".join(shown) or "(defaults)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- one run
+def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: set, chars_per_token: float) -> RunPlan:
+    from quantlab import preflight
+    from quantlab.env import resolve_device, resolve_dtype
+    from quantlab.precisions import describe, effective_block_size, kv_quant_algo, spec_for
+    from quantlab.stages import build, data, evaluate, export, prepare, quantize
+
+    plan = RunPlan(label)
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    preflight.check_config(cfg)
+    preflight.check_device(cfg, device)
+
+    pending: set[str] = set()  # keys computed from fingerprints of artifacts not built yet
+
+    def add(stage: str, key: str, cached: bool, want: dict | None, status: str | None = None, inputs=()):
+        placeholder = any(str(i).startswith("pending:") or i in pending for i in inputs)
+        if placeholder:
+            pending.add(key)
+        if status is None:
+            status = "cached" if cached else ("shared" if (stage, key) in seen else "build")
+        seen.add((stage, key))
+        est = None
+        if status == "build" and want is not None:
+            est = costs.estimate(history, stage.split(":")[0], want)
+        plan.steps.append(Step(stage, key, status, est, placeholder))
+        return status
+
+    def found(stage: str, key: str):
+        return store.load(stage, key, verify=False)
+
+    # prepare
+    pkey, ref = prepare.lookup(cfg.model, store)
+    if cfg.model.path:
+        add("prepare", pkey, True, None, status="local")
+    else:
+        add("prepare", pkey, ref is not None, costs.work("cpu", cfg.model.embedded.file))
+    model_fp = ref.fingerprint if ref else f"pending:{pkey}"
+    params = ref.num_params if ref else None
+    if ref is not None:
+        preflight.check_lengths(cfg, ref.max_positions)
+
+    # data
+    fps, tokens = {}, {}
+    for role, dcfg in (("calib", cfg.calib), ("eval", cfg.eval)):
+        dkey, text, _ = data.key(dcfg, role, model_fp, store)
+        art = found("data", dkey)
+        add(f"data:{role}", dkey, art is not None, costs.work("cpu", role, size=len(text)), inputs=[model_fp])
+        fps[role] = art.fingerprint if art else f"pending:{dkey}"
+        if art is not None:
+            windows = art.info["windows"]
+        elif role == "calib":
+            windows = dcfg.num_samples
+        else:
+            full = int(len(text) / chars_per_token) // dcfg.seq_len
+            windows = min(full, dcfg.max_windows or full)
+        tokens[role] = windows * dcfg.seq_len
+    if cfg.stop_after in ("prepare", "data"):
+        return plan
+    work = costs.run_work(cfg, device, params, tokens["calib"], tokens["eval"])
+
+    # quantize, export
+    if ref is not None:
+        block = preflight.check_block_size(cfg, ref.path, ref.preferred_awq_block, ref.trust_remote_code)
+    else:
+        block = effective_block_size(cfg.precision, cfg.model.embedded.awq_block_size if cfg.model.embedded else None)
+    recipe = describe(cfg.precision, cfg.kv_cache, block)
+    qkey = quantize.key(store, SimpleNamespace(fingerprint=model_fp), SimpleNamespace(fingerprint=fps["calib"]),
+                        SimpleNamespace(recipe=recipe), device, dtype)
+    q_art = found("quantize", qkey)
+    engines = [cfg.engine.name]
+    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
+        engines += ["fakequant", "fakequant_exported", "fakequant_jitter"]
+    ckpt_fp = None
+    export_status = None
+    if cfg.engine.name != "reference" and cfg.stop_after != "quantize":
+        if cfg.engine.checkpoint:
+            ckpt = export.external(cfg.engine.checkpoint, spec_for(cfg.precision).quant_algo, kv_quant_algo(cfg.kv_cache))
+            ckpt_fp, export_status = ckpt.fingerprint, "external"
+        else:
+            ekey = export.key(store, qkey)
+            e_art = found("export", ekey)
+            ckpt_fp = e_art.fingerprint if e_art else f"pending:{ekey}"
+            export_status = "cached" if e_art else None
+    needs_model = cfg.stop_after == "quantize" or export_status is None and cfg.engine.name != "reference" \
+        or any(name.startswith("fakequant") for name in engines)
+    add("quantize", qkey, q_art is not None, work["quantize"], status=None if needs_model or q_art else "not needed",
+        inputs=[model_fp, fps["calib"]])
+    if ckpt_fp is not None:
+        add("export", export.key(store, qkey) if export_status != "external" else cfg.engine.checkpoint,
+            export_status == "cached", work["export"], status="external" if export_status == "external" else None,
+            inputs=[qkey])
+    if cfg.stop_after in ("quantize", "export"):
+        return plan
+
+    # reference, candidates
+    eval_ns = SimpleNamespace(fingerprint=fps["eval"])
+    rkey = evaluate.reference_key(store, model_fp, eval_ns, cfg.eval, device, dtype)
+    add("reference", rkey, found("reference", rkey) is not None, work["reference"], inputs=[model_fp, fps["eval"]])
+    if cfg.stop_after == "build":
+        return plan
+    limits = build.limits_for(cfg.engine, ref.max_positions if ref else None).describe()
+    for name in engines:
+        if name in ("torch", "trtllm"):
+            candidate = f"{ckpt_fp}:{cfg.engine.trtllm_backend if name == 'trtllm' else ''}"
+        elif name == "reference":
+            candidate = model_fp
+        else:
+            candidate = qkey
+        key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits, device, dtype)
+        want = costs.run_work(cfg, device, params, tokens["calib"], tokens["eval"], name)["evaluate"]
+        add("evaluate", key, found("evaluate", key) is not None, want, inputs=[candidate, rkey])
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- output
+def _cell(steps: list[Step]) -> str:
+    if not steps:
+        return "-"
+    if len(steps) > 1:  # attribution: several evaluations
+        todo = [s for s in steps if s.status == "build"]
+        if not todo:
+            return steps[0].status if len({s.status for s in steps}) == 1 else "cached"
+        secs = [s.estimate.seconds for s in todo if s.estimate and s.estimate.known]
+        guess = f" ~{_fmt(sum(secs))}" if len(secs) == len(todo) else " ?"
+        return f"build {len(todo)}x{guess}"
+    s = steps[0]
+    if s.status != "build":
+        return s.status
+    if not (s.estimate and s.estimate.known):
+        return "build ?"
+    return f"build ~{_fmt(s.estimate.seconds)}{'*' if s.estimate.rough else ''}"
+
+
+def _fmt(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s" if seconds >= 1 else f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}min"
+
+
+def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str:
+    head = ["run"] + [c.replace("data:", "") for c in COLUMNS] + ["estimate"]
+    rows = []
+    for p in plans:
+        if p.error:
+            rows.append([p.label, f"error: {p.error}"])
+            continue
+        cells = [_cell([s for s in p.steps if s.stage == c]) for c in COLUMNS]
+        unknown = any(s.status == "build" and not (s.estimate and s.estimate.known) for s in p.steps)
+        todo = any(s.status == "build" for s in p.steps)
+        total = ("~" + _fmt(p.seconds()) + (" + ?" if unknown else "")) if todo and p.seconds() else ("?" if todo else "0s")
+        rows.append([p.label] + cells + [total])
+    widths = [max(len(r[i]) for r in [head] + [r for r in rows if len(r) == len(head)]) for i in range(len(head))]
+    lines = [f"quantlab plan: {len(plans)} run{'s' if len(plans) != 1 else ''}; cache {store.root}; "
+             f"estimates from earlier builds on this machine ({costs.machine_id()}, {device_label})",
+             "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    for r in rows:
+        lines.append("  " + ("  ".join(c.ljust(w) for c, w in zip(r, widths)) if len(r) == len(head) else "  ".join(r)))
+    steps = [s for p in plans for s in p.steps]
+    todo = [s for s in steps if s.status == "build"]
+    known = [s for s in todo if s.estimate and s.estimate.known]
+    reused = sum(s.status in ("cached", "shared") for s in steps)
+    no_history = len(todo) - len(known)
+    total = sum(s.estimate.seconds for s in known)
+    summary = f"  to build: {len(todo)} artifact{'s' if len(todo) != 1 else ''}"
+    if known:
+        summary += f", about {_fmt(total)} run one after another"
+    if no_history:
+        summary += f" ({no_history} with no earlier build on this machine to predict from, not counted)"
+    summary += f"; reused: {reused} (cache or an earlier run of this sweep)"
+    lines.append(summary)
+    if any(s.estimate and s.estimate.rough for s in todo):
+        lines.append("  * predicted from other precisions or engines on this machine: rough")
+    for s in todo:
+        if s.estimate and s.estimate.known:
+            log.debug("plan: %s %s: %.1f s from %s", s.stage, s.key, s.estimate.seconds, s.estimate.basis)
+    return "\n".join(lines)
+
+
+def make_plan(args: list[str]) -> tuple[list[RunPlan], str, ArtifactStore]:
+    """Compose every job's config as Hydra will, then plan it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from quantlab.config import conf_dir, register_configs
+    from quantlab.env import resolve_device
+
+    register_configs()
+    jobs = expand(args)
+    labels = _labels(jobs)
+    plans, seen, store, history = [], set(), None, None
+    device_label = ""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        for job, label in zip(jobs, labels):
+            try:
+                cfg = OmegaConf.to_object(compose(config_name="config", overrides=job))
+                if store is None:
+                    store = ArtifactStore(cfg.cache_dir)
+                    entries = store.entries()
+                    history = [a.manifest["cost"] for a in entries if isinstance(a.manifest.get("cost"), dict)]
+                    ratios = [a.info["text_chars"] / a.info["total_tokens"] for a in entries
+                              if a.stage == "data" and a.info.get("total_tokens")]
+                    chars_per_token = sorted(ratios)[len(ratios) // 2] if ratios else 4.0
+                    device_label = costs.device_label(resolve_device(cfg.model.device))
+                plans.append(plan_run(cfg, label, store, history, seen, chars_per_token))
+            except QuantlabError as exc:
+                plans.append(RunPlan(label, error=str(exc).splitlines()[0]))
+    if store is None:
+        store = ArtifactStore()
+    return plans, device_label, store
+
+
+def print_plan(args: list[str], strict: bool) -> int:
+    """Print the plan. strict (--plan): errors are the exit code; otherwise a plan that cannot be made is
+    reported in one line and the sweep goes ahead (the run itself reports bad input properly)."""
+    try:
+        plans, device_label, store = make_plan(args)
+    except QuantlabError as exc:
+        print(f"quantlab: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 - the plan is advice; never block a sweep on it
+        if strict:
+            print(f"quantlab: error: cannot plan this sweep: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"quantlab plan: not available ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        return EXIT_OK
+    print(render(plans, store, device_label), flush=True)
+    return EXIT_BAD_INPUT if any(p.error for p in plans) else EXIT_OK
