@@ -37,25 +37,51 @@ REGISTRY: dict[str, MetricInfo] = {
 
 
 # ------------------------------------------------------------------------------------ per position
+# Part of the reference and evaluation cache keys: outputs computed by another formula are never mixed.
+# 2: log p = logits - logsumexp (was log_softmax, which carries a -8e-6 nats/token rounding bias in fp32)
+FORMULA_VERSION = 2
+
+
+class PositionStats:
+    """Per-position statistics of next-token logits [B,T,V] against targets [B,T-1] (the last position predicts
+    nothing). Log-probabilities are log_softmax(logits) = logits - logsumexp(logits), formed only where asked
+    for (the targets, the top-k, the reference's top-k indices), so no [B,T,V] log-prob tensor is materialized."""
+
+    def __init__(self, logits, targets):
+        import torch
+
+        self.logits = logits[:, :-1].float()
+        self.lse = torch.logsumexp(self.logits, dim=-1)
+        self.nll = self.lse - self.logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        self.argmax = self.logits.argmax(-1)
+
+    def at(self, idx):
+        """log p of the token ids idx [B,T-1,k]."""
+        return self.logits.gather(-1, idx.long()) - self.lse.unsqueeze(-1)
+
+    def topk(self, k: int):
+        """(log p, ids) of the k most likely tokens per position."""
+        values, idx = self.logits.topk(k, dim=-1)
+        return values - self.lse.unsqueeze(-1), idx
+
+
 def position_stats(logits, targets):
-    """logits [B,T,V], targets [B,T-1] -> (logprobs fp32 [B,T-1,V], nll [B,T-1], argmax [B,T-1])."""
-    import torch
-
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, nll, logprobs.argmax(-1)
+    """logits [B,T,V], targets [B,T-1] -> (stats, nll [B,T-1], argmax [B,T-1]); stats: PositionStats."""
+    stats = PositionStats(logits, targets)
+    return stats, stats.nll, stats.argmax
 
 
-def topk_kl(ref_lp_top, ref_idx, cand_logprobs):
+def topk_kl(ref_lp_top, cand_lp_top):
     """KL(ref || cand) over the reference's top-k tokens plus one bin for the remaining mass.
 
-    ref_lp_top, ref_idx: [..., k]; cand_logprobs: [..., V] (log-softmax). Returns [...] in float32.
-    By the data-processing inequality this never exceeds the full KL and equals it when the tail mass is 0.
+    ref_lp_top: [..., k] reference log-probs of its top-k tokens; cand_lp_top: [..., k] the candidate's
+    log-probs of the same tokens. Returns [...] in float32. By the data-processing inequality this never
+    exceeds the full KL and equals it when the tail mass is 0.
     """
     import torch
 
     ref_lp = ref_lp_top.double()
-    cand_top = cand_logprobs.gather(-1, ref_idx.long()).double()
+    cand_top = cand_lp_top.double()
     p_ref = ref_lp.exp()
     head = (p_ref * (ref_lp - cand_top)).sum(-1)
     tail_ref = 1.0 - p_ref.sum(-1)

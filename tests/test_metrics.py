@@ -25,10 +25,10 @@ def test_topk_kl_equals_full_kl_when_k_is_vocab_and_bounds_it_otherwise():
     cand = torch.log_softmax(ref + 0.3 * torch.randn(4, 7, 50, generator=gen), -1)
     full = (ref.exp() * (ref - cand)).sum(-1)
     top = ref.topk(50, dim=-1)
-    assert torch.allclose(metrics.topk_kl(top.values, top.indices, cand), full, atol=1e-5)
+    assert torch.allclose(metrics.topk_kl(top.values, cand.gather(-1, top.indices)), full, atol=1e-5)
     for k in (1, 5, 20):
         top = ref.topk(k, dim=-1)
-        bound = metrics.topk_kl(top.values, top.indices, cand)
+        bound = metrics.topk_kl(top.values, cand.gather(-1, top.indices))
         assert (bound <= full + 1e-5).all()
         assert (bound >= 0).all()
 
@@ -36,7 +36,21 @@ def test_topk_kl_equals_full_kl_when_k_is_vocab_and_bounds_it_otherwise():
 def test_topk_kl_of_identical_distributions_is_zero():
     ref = torch.log_softmax(torch.randn(3, 9, 40), -1)
     top = ref.topk(8, dim=-1)
-    assert metrics.topk_kl(top.values, top.indices, ref).abs().max().item() == 0.0
+    assert metrics.topk_kl(top.values, ref.gather(-1, top.indices)).abs().max().item() == 0.0
+
+
+def test_position_stats_log_probs_match_log_softmax():
+    """nll, top-k and gathered log-probs equal log_softmax's, without forming the [B,T,V] log-probs."""
+    logits = torch.randn(2, 9, 300) * 4
+    targets = torch.randint(0, 300, (2, 8))
+    stats, nll, am = metrics.position_stats(logits, targets)
+    lp = torch.log_softmax(logits[:, :-1], -1)
+    assert torch.allclose(nll, -lp.gather(-1, targets[..., None])[..., 0], atol=1e-5)
+    assert torch.equal(am, lp.argmax(-1))
+    values, idx = stats.topk(7)
+    assert torch.equal(idx, lp.topk(7, dim=-1).indices)
+    assert torch.allclose(values, lp.topk(7, dim=-1).values, atol=1e-5)
+    assert torch.allclose(stats.at(idx), values, atol=0)
 
 
 def test_t_interval_golden():

@@ -60,6 +60,7 @@ def _prompts(evalset: TokenSet, cfg: EvalConfig):
 # --------------------------------------------------------------------------------------- reference
 def reference_key(store: ArtifactStore, model_fp: str, evalset: TokenSet, cfg: EvalConfig, device, dtype) -> str:
     return store.key("reference", model=model_fp, data=evalset.fingerprint, dtype=str(dtype), device=device.type,
+                     metrics=metrics.FORMULA_VERSION,
                      topk=cfg.topk, gen=[cfg.gen_prompts, cfg.gen_prompt_len, cfg.gen_tokens], versions=versions())
 
 
@@ -80,12 +81,12 @@ def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfi
         for lo in range(0, w, cfg.batch_size):
             batch = evalset.tokens[lo: lo + cfg.batch_size]
             logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
-            lp, nll, am = metrics.position_stats(logits, batch[:, 1:].to(logits.device))
-            top = lp.topk(k, dim=-1)
+            stats, nll, am = metrics.position_stats(logits, batch[:, 1:].to(logits.device))
+            top_lp, top_idx = stats.topk(k)
             hi = lo + batch.shape[0]
             arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = nll.cpu(), am.cpu().int()
-            arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top.values.cpu(), top.indices.cpu().int()
-            del logits, lp
+            arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top_lp.cpu(), top_idx.cpu().int()
+            del logits, stats
             log.info("  reference windows %d/%d (%.1f s)", hi, w, time.time() - start)
         prompts = _prompts(evalset, cfg)
         if prompts is not None:
@@ -116,12 +117,12 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
             hi = lo + batch.shape[0]
             logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
             dev = logits.device
-            lp, nll, am = metrics.position_stats(logits, batch[:, 1:].to(dev))
+            stats, nll, am = metrics.position_stats(logits, batch[:, 1:].to(dev))
             r_nll = ref.get_slice("nll")[lo:hi].to(dev)
             r_am = ref.get_slice("argmax")[lo:hi].to(dev)
             r_lp = ref.get_slice("topk_lp")[lo:hi].to(dev)
             r_idx = ref.get_slice("topk_idx")[lo:hi].to(dev)
-            kl = metrics.topk_kl(r_lp, r_idx, lp)
+            kl = metrics.topk_kl(r_lp, stats.at(r_idx))
             agree = (am == r_am.long()).float()
             tail_total += float((1.0 - r_lp.double().exp().sum(-1)).clamp_min(0).sum())
             sums["nll_ref"][lo:hi] = r_nll.double().sum(-1).cpu().numpy()
@@ -130,7 +131,7 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
             sums["kl"][lo:hi] = kl.double().sum(-1).cpu().numpy()
             agree_pos[lo:hi], kl_pos[lo:hi] = agree.cpu().numpy(), kl.cpu().numpy()
             cand_argmax[lo:hi] = am.cpu().numpy()
-            del logits, lp
+            del logits, stats
             log.info("  %s windows %d/%d (%.1f s)", engine.name, hi, w, time.time() - start)
         gen = None
         prompts = _prompts(evalset, cfg)
@@ -168,6 +169,7 @@ def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str,
     """Identity of one candidate's evaluation. batch_size is left out: results do not depend on it (tested)."""
     settings = {k: v for k, v in vars(cfg).items() if k not in ("batch_size", "attribution")}
     return store.key("evaluate", engine=engine, candidate=candidate, reference=rkey, eval=settings, limits=limits,
+                     metrics=metrics.FORMULA_VERSION,
                      device=device.arch, dtype=str(dtype), versions=versions())
 
 
