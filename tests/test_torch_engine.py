@@ -176,3 +176,39 @@ def test_build_limits_are_enforced_and_recorded(tiny_llama, tmp_path, shared_cac
     assert record["engine"]["limits"] == {"max_input_len": 128, "max_seq_len": 128, "max_batch_size": 64}
     engines = [json.loads(p.read_text()) for p in shared_cache.glob("engine/*/engine.json")]
     assert any(e["limits"]["max_seq_len"] == 128 for e in engines)
+
+
+def test_shared_input_fusion_matches_separate_layers(tiny_llama, tmp_path, shared_cache):
+    """ModelOpt's FP8 export gives q/k/v (and gate/up) one input scale, so the engine quantizes their shared
+    activation once and runs gate/up as one GEMM with the SiLU product and down's quantize in one pass; the
+    outputs equal the separate layers' (checked in the emulated path, which follows the native arithmetic)."""
+    ckpt = _export(tiny_llama, tmp_path, shared_cache, kv="none")
+    device = resolve_device("cpu")
+    separate, _ = load_exported(ckpt, device, torch.float32)
+    fused_model, _ = load_exported(ckpt, device, torch.float32)
+    groups = qlayers.fuse_shared_inputs(fused_model, torch.float32)
+    layers = fused_model.config.num_hidden_layers
+    assert groups == 2 * layers  # q/k/v and the MLP in every layer: export unified their input scales
+    assert isinstance(fused_model.model.layers[0].mlp, qlayers.Fp8GatedMLP)
+    assert fused_model.model.layers[0].self_attn.k_proj.shared is fused_model.model.layers[0].self_attn.q_proj.shared
+    tokens = torch.randint(0, fused_model.config.vocab_size, (2, 40), generator=_rng())
+    calls = []
+    original = qlayers.fp8_quantize
+    qlayers.fp8_quantize = lambda *a: calls.append(1) or original(*a)
+    try:
+        with torch.no_grad():
+            b = fused_model(tokens).logits
+            per_forward_fused = len(calls)
+            a = separate(tokens).logits
+    finally:
+        qlayers.fp8_quantize = original
+    assert per_forward_fused == 3 * layers  # q/k/v once, o once, gate/up once (down's is in silu_mul_quantize)
+    assert len(calls) - per_forward_fused == 7 * layers
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # native GEMMs in an fp32 model: the MLP is left alone (row-wise scaled FP8 GEMMs write bf16)
+    native_fp32, _ = load_exported(ckpt, device, torch.float32)
+    for m in native_fp32.modules():
+        if isinstance(m, qlayers.Fp8Linear):
+            m.native = True
+    assert qlayers.fuse_shared_inputs(native_fp32, torch.float32) == layers

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quantlab.engines.base import Engine, Limits
-from quantlab.engines.qlayers import Fp8Linear, Int4AwqLinear, Int8SqLinear, fp8_qdq
+from quantlab.engines.qlayers import Fp8Linear, Int4AwqLinear, Int8SqLinear, fp8_qdq, fuse_shared_inputs
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
@@ -155,8 +155,11 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
         kv = "fp8 (k_scale / v_scale per layer, applied after RoPE)"
     elif kv_algo is not None:
         raise QuantlabError(f"engine=torch does not run kv_cache_quant_algo={kv_algo}")
+    # q/k/v and gate/up read one activation: quantize it once, one GEMM each group (where the GEMMs are native)
+    shared = fuse_shared_inputs(model, dtype) if algo == "FP8" and native_fp8 else 0
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
     plan = {"quant_algo": algo, "kv_cache": kv, "quantized_layers": len(replaced), "kernels": kernels,
+            "shared_input_groups": shared,
             "group_size": block, "dtype": str(dtype).removeprefix("torch.")}
     return model.eval(), plan
 
