@@ -67,7 +67,7 @@ class DataConfig:
 @dataclass
 class CalibConfig(DataConfig):
     num_samples: int = 32
-    batch_size: int = 4
+    batch_size: int = 16  # AWQ-lite searches per batch: fewer, larger batches calibrate faster (bench/RESULTS.md)
 
 
 @dataclass

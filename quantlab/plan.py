@@ -131,7 +131,7 @@ def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: s
         block = effective_block_size(cfg.precision, cfg.model.embedded.awq_block_size if cfg.model.embedded else None)
     recipe = describe(cfg.precision, cfg.kv_cache, block)
     qkey = quantize.key(store, SimpleNamespace(fingerprint=model_fp), SimpleNamespace(fingerprint=fps["calib"]),
-                        SimpleNamespace(recipe=recipe), device, dtype)
+                        SimpleNamespace(recipe=recipe, batch_size=cfg.calib.batch_size), device, dtype)
     q_art = found("quantize", qkey)
     engines = [cfg.engine.name]
     if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):

@@ -70,3 +70,32 @@ def test_quantize_export(family, precision, kv, algo, kv_algo, request, tmp_path
     manifest = read_json(ckpt / "manifest.json")
     assert manifest["stage"] == "export" and manifest["versions"]["nvidia-modelopt"] == "0.47.0"
     assert all(len(h) == 64 for h in manifest["files"].values())
+
+
+@pytest.mark.parametrize("precision", ["int8_sq", "int4_awq"])
+def test_calibration_without_logits_is_the_same_calibration(precision, tiny_llama, tmp_path):
+    """Calibration skips the logits of all positions but the last (lm_head is never quantized): the calibrated
+    state is exactly what a forward pass with full logits gives."""
+    import torch
+    from conftest import compose
+
+    from quantlab.artifacts import ArtifactStore
+    from quantlab.env import resolve_device
+    from quantlab.precisions import describe, modelopt_config
+    from quantlab.stages import data, prepare, quantize
+
+    cfg, _ = compose([f"+precision={precision}", f"model.path={tiny_llama}", *FAST])
+    store = ArtifactStore(tmp_path)
+    ref = prepare.run(cfg.model, store)
+    calib = data.run(cfg.calib, "calib", ref.fingerprint, prepare.load_tokenizer(ref), store)
+    block = 32 if precision == "int4_awq" else None
+    req = quantize.QuantizeRequest(describe(cfg.precision, cfg.kv_cache, block),
+                                   modelopt_config(cfg.precision, cfg.kv_cache, block), cfg.calib.batch_size)
+    device = resolve_device("cpu")
+    states = []
+    for full in (False, True):
+        torch.manual_seed(0)
+        model, _ = quantize.calibrate(ref, calib, req, device, torch.float32, full_logits=full)
+        states.append({k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)})
+    assert states[0].keys() == states[1].keys()
+    assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []

@@ -6,6 +6,7 @@ created or changed (quantizer amax / pre_quant_scale buffers, smoothed weights) 
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -75,11 +76,13 @@ def decode_state(obj):
 
 # ---------------------------------------------------------------------------------------- stage
 def key(store: ArtifactStore, ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype) -> str:
+    # batch_size is part of it: AWQ's search accumulates its losses per calibration batch
     return store.key("quantize", model=ref.fingerprint, calib=calib.fingerprint, recipe=req.recipe,
-                     device=device.type, dtype=str(dtype), versions=versions())
+                     batch_size=req.batch_size, device=device.type, dtype=str(dtype), versions=versions())
 
 
-def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype, device_map=None):
+def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype, device_map=None,
+              full_logits: bool = False):
     """Load the reference model and run ModelOpt calibration; returns (model, info)."""
     import modelopt.torch.quantization as mtq
     import torch
@@ -89,11 +92,16 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
     counter = {"batches": 0}
     first = model.get_input_embeddings().weight.device
 
+    # Calibration observes the decoder layers only (lm_head is never quantized): skip the logits of every
+    # position but the last, which on a 49K vocabulary are ~20% of the forward pass and most of its memory.
+    keep = {"logits_to_keep": 1} if full_logits is False and "logits_to_keep" in inspect.signature(model.forward).parameters \
+        else {}
+
     def forward_loop(m):
         start = time.time()
         with torch.no_grad():
             for i, batch in enumerate(batches, 1):
-                m(batch.to(first))
+                m(batch.to(first), use_cache=False, **keep)
                 counter["batches"] += 1
                 if i == len(batches) or i % max(1, len(batches) // 4) == 0:
                     log.info("  calibration batch %d/%d (%.1f s)", i, len(batches), time.time() - start)
