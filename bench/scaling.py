@@ -35,9 +35,18 @@ def quantlab(args: list[str], cwd: Path, cache: Path) -> tuple[float, str]:
 
 
 def predicted(stdout: str) -> float | None:
-    """The plan's total ('about 2.3min' / 'about 41s') from the sweep's own printout."""
+    """The plan's total ('about 2.3min' / 'about 41s') from the sweep's own printout; None when some stage to
+    build had no earlier build to predict from (the total would leave it out)."""
     m = re.search(r"about ([\d.]+)(min|s) run one after another", stdout)
-    return None if not m else float(m.group(1)) * (60 if m.group(2) == "min" else 1)
+    if not m or "no earlier build on this machine to predict from" in stdout:
+        return None
+    return float(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
+def complete(rows: list[dict]) -> list[dict]:
+    """Rows whose plan covered every stage (results written before predicted() returned None for partial
+    plans: the first row of each part had a cold cache, so nothing to predict from)."""
+    return [r for i, r in enumerate(rows) if r["plan_predicted_s"] is not None and i > 0]
 
 
 def stage_totals(sweep_dir: Path) -> dict[str, float]:
@@ -78,8 +87,14 @@ def main() -> None:
     ap.add_argument("--widths", default="128,256,512,1024", help="hidden sizes (part B)")
     ap.add_argument("--b-windows", type=int, default=8)
     ap.add_argument("--b-seq", type=int, default=256)
+    ap.add_argument("--replot", action="store_true", help="only redraw table and plot from OUT/scaling.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        result = json.loads((args.out / "scaling.json").read_text())
+        write_table(result, args)
+        plot(result, args.out / "scaling.png")
+        return
     result = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "tokens": [], "widths": []}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,20 +139,26 @@ def main() -> None:
 
 def write_table(result: dict, args) -> None:
     lines = [f"# Scaling of the default sweep (fp8 + int8_sq + int4_awq), {result['machine']}, {result['date']}", "",
-             f"Command: `python bench/scaling.py {' '.join(result['argv'])}`", "",
+             f"Command: `python bench/scaling.py {' '.join(result['argv'])}` (predictions: what the sweep's plan printed "
+             "before it ran, from the cost records of the earlier rows; the first row of each part had none)", "",
              f"A. Default model, calibration ({args.calib} x {args.seq} tokens, 3 precisions) done once beforehand: "
              f"{result['calibrate_once_s']} s", "",
              "| eval windows | eval tokens | sweep wall (s) | plan predicted (s) | reference (s) | candidate evaluations (s) |",
              "|---|---|---|---|---|---|"]
+    shown = {id(r) for r in complete(result["tokens"]) + complete(result["widths"])}
+
+    def pred(r):
+        return r["plan_predicted_s"] if id(r) in shown else "- (cold cache)"
+
     for r in result["tokens"]:
-        lines.append(f"| {r['windows']} | {r['eval_tokens']} | {r['wall_s']} | {r['plan_predicted_s']} | "
+        lines.append(f"| {r['windows']} | {r['eval_tokens']} | {r['wall_s']} | {pred(r)} | "
                      f"{r['stages'].get('reference', 0)} | {r['stages'].get('evaluate', 0)} |")
     lines += ["", f"B. Random Llama-shaped models, 4 layers, cold cache; calibration and eval {args.b_windows} x {args.b_seq} tokens", "",
               "| width | params (M) | sweep wall (s) | plan predicted (s) | quantize (s) | export (s) | reference (s) | candidate evaluations (s) |",
               "|---|---|---|---|---|---|---|---|"]
     for r in result["widths"]:
         s = r["stages"]
-        lines.append(f"| {r['width']} | {r['params'] / 1e6:.1f} | {r['wall_s']} | {r['plan_predicted_s']} | {s.get('quantize', 0)} | "
+        lines.append(f"| {r['width']} | {r['params'] / 1e6:.1f} | {r['wall_s']} | {pred(r)} | {s.get('quantize', 0)} | "
                      f"{s.get('export', 0)} | {s.get('reference', 0)} | {s.get('evaluate', 0)} |")
     (args.out / "scaling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -152,13 +173,16 @@ def plot(result: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [r["eval_tokens"] for r in result["tokens"]]
     a.plot(xs, [r["wall_s"] for r in result["tokens"]], "o-", label="measured")
-    pred = [(x, r["plan_predicted_s"]) for x, r in zip(xs, result["tokens"]) if r["plan_predicted_s"]]
+    pred = [(r["eval_tokens"], r["plan_predicted_s"]) for r in complete(result["tokens"])]
     if pred:
-        a.plot(*zip(*pred), "x--", label="plan's prediction (evaluation stages)")
+        a.plot(*zip(*pred), "x--", label="plan's prediction before the run")
     a.set(xlabel="eval tokens", ylabel="sweep wall time (s)", title="default model, calibration cached")
     a.legend()
     ps = [r["params"] / 1e6 for r in result["widths"]]
     b.plot(ps, [r["wall_s"] for r in result["widths"]], "o-", label="measured")
+    pred = [(r["params"] / 1e6, r["plan_predicted_s"]) for r in complete(result["widths"])]
+    if pred:
+        b.plot(*zip(*pred), "x--", label="plan's prediction (from the narrower models)")
     for r, p in zip(result["widths"], ps):
         b.annotate(f"w={r['width']}", (p, r["wall_s"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
     b.set(xlabel="parameters (M)", ylabel="sweep wall time (s)", title="random Llama models, cold cache")

@@ -1,7 +1,8 @@
 """Sweep cost: quantlab vs a naive per-precision pipeline, same model / data / settings, in one run.
 
 naive, per precision: load the model, mtq.quantize with the same calibration windows, then evaluate reference
-and candidate with plain transformers forwards (labels=input_ids) on the same windows.
+and candidate with plain transformers forwards on the same windows, NLL from log_softmax in float64 (exact up to
+the logits; fp32 log_softmax would itself be off by ~8e-6 nats per token, more than the 1e-6 this checks).
 quantlab: `python -m quantlab -m +precision=...` with engine=fakequant (the same candidate), cold cache.
 Prints wall times, forward-pass counts, the ratio (target <= 0.6) and the metric differences.
 
@@ -62,7 +63,7 @@ def naive(precisions, windows: int, calib: int, seq: int, cache: Path) -> tuple[
                 forwards += 2
                 tgt = b[:, 1:]
                 for logits, acc in ((lr, "r"), (lc, "c")):
-                    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+                    lp = torch.log_softmax(logits[:, :-1].double(), -1)  # float64: the exact reference
                     s = -lp.gather(-1, tgt.unsqueeze(-1)).sum().item()
                     nll_r, nll_c = (nll_r + s, nll_c) if acc == "r" else (nll_r, nll_c + s)
                 agree += (lr[:, :-1].argmax(-1) == lc[:, :-1].argmax(-1)).sum().item()

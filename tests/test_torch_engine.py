@@ -212,3 +212,18 @@ def test_shared_input_fusion_matches_separate_layers(tiny_llama, tmp_path, share
         if isinstance(m, qlayers.Fp8Linear):
             m.native = True
     assert qlayers.fuse_shared_inputs(native_fp32, torch.float32) == layers
+
+
+def test_engine_device_map_places_and_matches(tiny_llama, tmp_path, shared_cache):
+    """model.device_map reaches the torch engine: accelerate plans the placement and dispatches the model
+    (here every block lands on the CPU; on 2 GPUs the layers split, bench/RESULTS.md); logits are unchanged."""
+    ckpt = _export(tiny_llama, tmp_path, shared_cache, kv="fp8")
+    device = resolve_device("cpu")
+    plain, _ = load_exported(ckpt, device, torch.float32)
+    mapped, plan = load_exported(ckpt, device, torch.float32, "auto")
+    assert plan["devices"] == ["cpu"]
+    tokens = torch.randint(0, plain.config.vocab_size, (2, 24), generator=_rng())
+    with torch.no_grad():
+        assert torch.equal(plain(tokens).logits, mapped(tokens).logits)
+    with pytest.raises(QuantlabError, match="device_map='everywhere' is not supported"):
+        load_exported(ckpt, device, torch.float32, "everywhere")

@@ -87,7 +87,33 @@ def _quant_layer(name: str, lin: nn.Linear, t: CheckpointTensors, algo: str, blo
     return layer.to(device)
 
 
-def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+def _placement(model: nn.Module, device, dtype: torch.dtype, device_map: str | None):
+    """(module name -> torch device, accelerate device map or None). One device unless model.device_map asks
+    accelerate to spread the decoder layers over every visible GPU (sizes estimated from the unquantized
+    skeleton, so the plan errs on the roomy side)."""
+    if not device_map:
+        return (lambda name: device.torch), None
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    choices = ("auto", "balanced", "balanced_low_0", "sequential")
+    if device_map not in choices:
+        raise QuantlabError(f"model.device_map={device_map!r} is not supported by engine=torch",
+                            fix=f"use one of {', '.join(choices)}")
+    no_split = getattr(model, "_no_split_modules", None) or []
+    max_memory = None if device_map == "sequential" else get_balanced_memory(
+        model, dtype=dtype, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0")
+    dmap = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
+
+    def where(name: str) -> str:
+        best = max((k for k in dmap if k == "" or name == k or name.startswith(k + ".")), key=len, default=None)
+        placed = dmap[best] if best is not None else device.torch
+        return f"cuda:{placed}" if isinstance(placed, int) else str(placed)
+
+    return where, dmap
+
+
+def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None) -> tuple[nn.Module, dict]:
     """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer."""
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
@@ -103,6 +129,7 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     t = CheckpointTensors(ckpt)
+    where, dmap = _placement(model, device, dtype, device_map)
     native_fp8 = device.type == "cuda" and device.has_fp8
     excluded = set(quant.get("exclude_modules") or [])
     replaced = {}
@@ -114,8 +141,9 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
                 t.get(f"{name}.weight_scale")  # a quantized weight without its scale: report the missing tensor
             continue
         parent_name, _, child = name.rpartition(".")
+        target = where(name)
         setattr(model.get_submodule(parent_name), child,
-                _quant_layer(name, module, t, algo, block, native_fp8, dtype, device.torch))
+                _quant_layer(name, module, t, algo, block, native_fp8 and target.startswith("cuda"), dtype, target))
         replaced[name] = algo
     if not replaced:
         raise QuantlabError(f"checkpoint {ckpt} says {algo} but no layer has a weight_scale tensor",
@@ -126,7 +154,7 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
         if param.device.type != "meta":
             continue
         if key in t:
-            state[key] = t.get(key, shape=tuple(param.shape)).to(device=device.torch,
+            state[key] = t.get(key, shape=tuple(param.shape)).to(device=where(key),
                                                                    dtype=dtype if param.is_floating_point() else param.dtype)
         elif not (key == "lm_head.weight" and config.tie_word_embeddings) and "rotary_emb" not in key:
             raise QuantlabError(f"exported checkpoint {ckpt} is missing tensor {key}", fix="re-export the checkpoint")
@@ -134,7 +162,7 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
     for name, mod in list(model.named_modules()):  # RoPE buffers are computed at init: rebuild them for real
         if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "config"):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, type(mod)(mod.config, device=device.torch))
+            setattr(model.get_submodule(parent_name), child, type(mod)(mod.config, device=where(name)))
     if config.tie_word_embeddings:
         model.tie_weights()
     leftover = [k for k, v in list(model.named_parameters()) + list(model.named_buffers()) if v.device.type == "meta"]
@@ -146,8 +174,8 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
         AttentionInterface.register(ATTN_NAME, _fp8_kv_attention)
         for name, module in model.named_modules():
             if hasattr(module, "k_proj") and hasattr(module, "v_proj"):
-                ks = t.get(f"{name}.k_proj.k_scale", shape=()).float().to(device.torch)
-                vs = t.get(f"{name}.v_proj.v_scale", shape=()).float().to(device.torch)
+                ks = t.get(f"{name}.k_proj.k_scale", shape=()).float().to(where(name))
+                vs = t.get(f"{name}.v_proj.v_scale", shape=()).float().to(where(name))
                 if not (ks > 0 and vs > 0):
                     raise QuantlabError(f"{name}: k_scale / v_scale must be positive (got {float(ks)}, {float(vs)})")
                 module.quantlab_k_scale, module.quantlab_v_scale = ks, vs
@@ -157,9 +185,16 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype) -> tuple[nn.Module, di
         raise QuantlabError(f"engine=torch does not run kv_cache_quant_algo={kv_algo}")
     # q/k/v and gate/up read one activation: quantize it once, one GEMM each group (where the GEMMs are native)
     shared = fuse_shared_inputs(model, dtype) if algo == "FP8" and native_fp8 else 0
+    placed = None
+    if dmap is not None:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map=dmap)  # hooks move activations between the devices of consecutive blocks
+        placed = sorted({str(d) for d in dmap.values()})
+        log.info("model.device_map=%s placed the engine on: %s", device_map, ", ".join(placed))
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
     plan = {"quant_algo": algo, "kv_cache": kv, "quantized_layers": len(replaced), "kernels": kernels,
-            "shared_input_groups": shared,
+            "shared_input_groups": shared, "devices": placed or [device.torch],
             "group_size": block, "dtype": str(dtype).removeprefix("torch.")}
     return model.eval(), plan
 
@@ -187,8 +222,8 @@ def build_torch_engine(ctx, limits: Limits) -> TorchEngine:
     ckpt = ctx.checkpoint()
     key = ctx.store.key("engine", engine="torch", arch=ctx.device.arch, torch=versions()["torch"],
                         model=ctx.ref.fingerprint, checkpoint=ckpt.fingerprint, limits=limits.describe(),
-                        dtype=str(ctx.dtype))
-    model, plan = load_exported(ckpt.path, ctx.device, ctx.dtype)
+                        dtype=str(ctx.dtype), device_map=ctx.device_map)
+    model, plan = load_exported(ckpt.path, ctx.device, ctx.dtype, ctx.device_map)
 
     def build(out: Path) -> dict:
         write_json_atomic(out / "engine.json", {"checkpoint": str(ckpt.path), "limits": limits.describe(), **plan})
