@@ -5,7 +5,7 @@ Each measurement runs in its own process, on the embedded SmolLM2 with the pydoc
 outputs computed, then a candidate compared; calibration = the quantize stage's calibrate (int8_sq: SmoothQuant
 statistics, batches of 4). Target: 8x the data costs < 10% more peak RSS.
 
-    python bench/eval_memory.py [--windows 4] [--seq 256] [--what eval|calib]
+    python bench/eval_memory.py [--windows 4] [--seq 256] [--what eval|calib] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--child", type=int)
     ap.add_argument("--cache")
     ap.add_argument("--what", choices=("eval", "calib"), default="eval")
+    ap.add_argument("--repeat", type=int, default=3, help="processes per size; the median peak RSS is compared")
     args = ap.parse_args()
     if args.child:
         (child if args.what == "eval" else child_calib)(args.child, args.seq, args.cache)
@@ -85,12 +86,19 @@ def main() -> None:
                         "--what", args.what], env=env, check=True, capture_output=True)
         rows = []
         for n in (args.windows, 8 * args.windows):
-            out = subprocess.run([sys.executable, __file__, "--child", str(n), "--seq", str(args.seq), "--cache", cache,
-                                  "--what", args.what], env=env, check=True, capture_output=True, text=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs = []
+            for _ in range(args.repeat):  # peak RSS of one process varies by several % with allocator luck
+                out = subprocess.run([sys.executable, __file__, "--child", str(n), "--seq", str(args.seq), "--cache",
+                                      cache, "--what", args.what], env=env, check=True, capture_output=True, text=True)
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs.sort(key=lambda r: r["peak_rss_mib"])
+            median = dict(runs[len(runs) // 2])
+            median["all_mib"] = [round(r["peak_rss_mib"]) for r in runs]
+            rows.append(median)
     what = "eval windows" if args.what == "eval" else "calibration samples"
     for r in rows:
-        print(f"{r['windows']:4d} {what} ({r['tokens']} tokens): peak RSS {r['peak_rss_mib']:.0f} MiB, {r['seconds']:.1f} s")
+        print(f"{r['windows']:4d} {what} ({r['tokens']} tokens): peak RSS {r['peak_rss_mib']:.0f} MiB (median of "
+              f"{r['all_mib']}), {r['seconds']:.1f} s")
     growth = rows[1]["peak_rss_mib"] / rows[0]["peak_rss_mib"] - 1
     print(f"peak RSS growth for 8x {what}: {growth * 100:+.1f}% (target < 10%)")
 
