@@ -18,6 +18,7 @@ from quantlab.config import PRECISION_SCHEMAS, Config, calib_data_dir, conf_dir,
 from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
 
 EXIT_INTERNAL = 3
+LOCAL_LAUNCHERS = ("basic", "joblib", "submitit_local")  # jobs run on this machine
 HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 STATUS = "status.json"
 GROUPS = ("precision", "kv_cache", "engine", "gate", "model")
@@ -167,12 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    launcher = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")), "basic")
     if plan_only or (("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)):
         from quantlab.plan import print_plan
 
-        code = print_plan(args, strict=plan_only)
-        if plan_only:
-            return code
+        if not plan_only and launcher not in LOCAL_LAUNCHERS:
+            # the cache state and the times depend on the device: this machine may not be like the jobs' nodes
+            print(f"quantlab plan: not printed, the jobs run elsewhere (hydra/launcher={launcher}); "
+                  "run the same command with --plan on a node like theirs")
+        else:
+            code = print_plan(args, strict=plan_only)
+            if plan_only:
+                return code
     sys.argv = [sys.argv[0]] + args
     register_configs()
     _outcomes.clear()

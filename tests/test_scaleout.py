@@ -36,6 +36,7 @@ def test_launcher_sweep_matches_sequential(launcher, tiny_llama, tmp_path):
         assert metrics[precision] == seq_metrics[precision], precision
     assert len(built) == len(set(built)), "a shared artifact was built twice"
     assert next(cwd.glob("outputs/sweep_*/summary.html")).is_file()
+    assert "quantlab plan: 2 runs" in res.stdout  # launchers on this machine get the plan too
 
 
 def test_sweep_exit_code_comes_from_every_job(tiny_llama, tmp_path):
