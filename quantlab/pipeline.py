@@ -133,12 +133,10 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
         return _finish(record, run_dir, timer, store, start, EXIT_OK, f"built the {cfg.engine.name} engine")
 
     results, evaluated_now = {}, {}
-    names = [cfg.engine.name]
-    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
-        names += ["fakequant", "fakequant_exported", "fakequant_jitter"]
-    for name in names:
+    for name in evaluate.candidate_engines(cfg):
         with timer.stage(f"evaluate:{name}"):
-            candidate = _candidate_identity(name, cfg, ref, qkey, checkpoint)
+            candidate = evaluate.candidate_identity(name, cfg.engine, ref.fingerprint, qkey,
+                                                    lambda: checkpoint().fingerprint)
             key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits.describe(), device, dtype)
             log.info("evaluate: %s vs reference on %d windows x %d tokens", name, evalset.num_windows, evalset.seq_len)
             results[name], evaluated_now[name] = evaluate.evaluate_cached(
@@ -173,16 +171,6 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
             f"(top-1 {m['top1_agreement']['value']:.3f}, ppl ratio {m['ppl_ratio']['value']:.3f}, "
             f"KL {m['kl_mean']['value']:.4f})")
     return _finish(record, run_dir, timer, store, start, code, what)
-
-
-def _candidate_identity(name: str, cfg: Config, ref, qkey: str, checkpoint) -> str:
-    """What a candidate's outputs depend on: the exported checkpoint for engines, the calibrated state for
-    fake-quant variants, the model itself for the reference control run."""
-    if name in ("torch", "trtllm"):
-        return f"{checkpoint().fingerprint}:{cfg.engine.trtllm_backend if name == 'trtllm' else ''}"
-    if name == "reference":
-        return ref.fingerprint
-    return qkey
 
 
 def _attribution(results: dict, engine: str) -> dict:

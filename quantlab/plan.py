@@ -108,10 +108,11 @@ def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: s
     # data
     fps, tokens = {}, {}
     for role, dcfg in (("calib", cfg.calib), ("eval", cfg.eval)):
-        dkey, text, _ = data.key(dcfg, role, model_fp, store)
-        art = found("data", dkey)
-        add(f"data:{role}", dkey, art is not None, costs.work("cpu", role, size=len(text)), inputs=[model_fp])
-        fps[role] = art.fingerprint if art else f"pending:{dkey}"
+        ident = data.key(dcfg, role, model_fp, store)
+        text = ident.text
+        art = found("data", ident.key)
+        add(f"data:{role}", ident.key, art is not None, costs.work("cpu", role, size=len(text)), inputs=[model_fp])
+        fps[role] = art.fingerprint if art else f"pending:{ident.key}"
         if art is not None:
             windows = art.info["windows"]
         elif role == "calib":
@@ -133,15 +134,12 @@ def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: s
     qkey = quantize.key(store, SimpleNamespace(fingerprint=model_fp), SimpleNamespace(fingerprint=fps["calib"]),
                         SimpleNamespace(recipe=recipe, batch_size=cfg.calib.batch_size), device, dtype)
     q_art = found("quantize", qkey)
-    engines = [cfg.engine.name]
-    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
-        engines += ["fakequant", "fakequant_exported", "fakequant_jitter"]
-    ckpt_fp = None
-    export_status = None
+    engines = evaluate.candidate_engines(cfg)
+    ckpt_fp = ekey = export_status = None  # export_status: None = to build (or not needed), cached, external
     if cfg.engine.name != "reference" and cfg.stop_after != "quantize":
         if cfg.engine.checkpoint:
-            ckpt = export.external(cfg.engine.checkpoint, spec_for(cfg.precision).quant_algo, kv_quant_algo(cfg.kv_cache))
-            ckpt_fp, export_status = ckpt.fingerprint, "external"
+            ekey, export_status = cfg.engine.checkpoint, "external"
+            ckpt_fp = export.external(ekey, spec_for(cfg.precision).quant_algo, kv_quant_algo(cfg.kv_cache)).fingerprint
         else:
             ekey = export.key(store, qkey)
             e_art = found("export", ekey)
@@ -151,10 +149,9 @@ def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: s
         or any(name.startswith("fakequant") for name in engines)
     add("quantize", qkey, q_art is not None, work["quantize"], status=None if needs_model or q_art else "not needed",
         inputs=[model_fp, fps["calib"]])
-    if ckpt_fp is not None:
-        add("export", export.key(store, qkey) if export_status != "external" else cfg.engine.checkpoint,
-            export_status == "cached", work["export"], status="external" if export_status == "external" else None,
-            inputs=[qkey])
+    if ekey is not None:
+        add("export", ekey, export_status == "cached", work["export"],
+            status="external" if export_status == "external" else None, inputs=[qkey])
     if cfg.stop_after in ("quantize", "export"):
         return plan
 
@@ -166,12 +163,7 @@ def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: s
         return plan
     limits = build.limits_for(cfg.engine, ref.max_positions if ref else None).describe()
     for name in engines:
-        if name in ("torch", "trtllm"):
-            candidate = f"{ckpt_fp}:{cfg.engine.trtllm_backend if name == 'trtllm' else ''}"
-        elif name == "reference":
-            candidate = model_fp
-        else:
-            candidate = qkey
+        candidate = evaluate.candidate_identity(name, cfg.engine, model_fp, qkey, lambda: ckpt_fp)
         key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits, device, dtype)
         want = costs.run_work(cfg, device, params, tokens["calib"], tokens["eval"], name)["evaluate"]
         add("evaluate", key, found("evaluate", key) is not None, want, inputs=[candidate, rkey])

@@ -117,11 +117,22 @@ def read_text(cfg: DataConfig, role: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ windows
-def key(cfg: DataConfig, role: str, model_fp: str, store: ArtifactStore) -> tuple[str, str, str]:
-    """(key, text, description): what a token set is identified by, without tokenizing."""
+@dataclass
+class DataKey:
+    """What a token set is identified by, computed without tokenizing."""
+    key: str
+    text: str
+    description: str
+    text_sha256: str
+    recipe: dict
+
+
+def key(cfg: DataConfig, role: str, model_fp: str, store: ArtifactStore) -> DataKey:
     text, desc = read_text(cfg, role)
     text_sha = hashlib.sha256(text.encode()).hexdigest()
-    return store.key("data", role=role, text=text_sha, model=model_fp, recipe=_recipe(cfg)), text, desc
+    recipe = _recipe(cfg)
+    return DataKey(store.key("data", role=role, text=text_sha, model=model_fp, recipe=recipe), text, desc, text_sha,
+                   recipe)
 
 
 def _recipe(cfg: DataConfig) -> dict:
@@ -146,9 +157,8 @@ def run(cfg: DataConfig, role: str, model_fp: str, tokenizer, store: ArtifactSto
     import torch
     from safetensors.torch import load_file, save_file
 
-    key_, text, desc = key(cfg, role, model_fp, store)
-    text_sha = hashlib.sha256(text.encode()).hexdigest()
-    recipe = _recipe(cfg)
+    ident = key(cfg, role, model_fp, store)
+    text, desc, text_sha = ident.text, ident.description, ident.text_sha256
     knob = "calib" if role == "calib" else "eval"
 
     def build(out: Path) -> dict:
@@ -177,7 +187,7 @@ def run(cfg: DataConfig, role: str, model_fp: str, tokenizer, store: ArtifactSto
         return {"source": desc, "text_sha256": text_sha, "text_chars": len(text), "total_tokens": len(ids),
                 "full_windows": n_full, "windows": int(pick.numel()), "seq_len": cfg.seq_len}
 
-    art = store.get_or_build("data", key_, build, {"role": role, "recipe": recipe, "model": model_fp},
+    art = store.get_or_build("data", ident.key, build, {"role": role, "recipe": ident.recipe, "model": model_fp},
                              describe=f"tokenizing {knob} data", cost=costs.work("cpu", role, size=len(text)))
     tokens = load_file(str(art.path / "tokens.safetensors"))["tokens"]
     info = dict(art.info)

@@ -81,10 +81,10 @@ def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfi
         for lo in range(0, w, cfg.batch_size):
             batch = evalset.tokens[lo: lo + cfg.batch_size]
             logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
-            stats, nll, am = metrics.position_stats(logits, batch[:, 1:].to(logits.device))
+            stats = metrics.PositionStats(logits, batch[:, 1:].to(logits.device))
             top_lp, top_idx = stats.topk(k)
             hi = lo + batch.shape[0]
-            arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = nll.cpu(), am.cpu().int()
+            arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = stats.nll.cpu(), stats.argmax.cpu().int()
             arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top_lp.cpu(), top_idx.cpu().int()
             del logits, stats
             log.info("  reference windows %d/%d (%.1f s)", hi, w, time.time() - start)
@@ -117,7 +117,8 @@ def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, token
             hi = lo + batch.shape[0]
             logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
             dev = logits.device
-            stats, nll, am = metrics.position_stats(logits, batch[:, 1:].to(dev))
+            stats = metrics.PositionStats(logits, batch[:, 1:].to(dev))
+            nll, am = stats.nll, stats.argmax
             r_nll = ref.get_slice("nll")[lo:hi].to(dev)
             r_am = ref.get_slice("argmax")[lo:hi].to(dev)
             r_lp = ref.get_slice("topk_lp")[lo:hi].to(dev)
@@ -162,6 +163,25 @@ def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:
 
 # ------------------------------------------------------------------------------------- cached result
 RESULT_JSON, RESULT_ARRAYS = "result.json", "result.safetensors"
+
+
+def candidate_engines(cfg) -> list[str]:
+    """The engine under test, plus the fake-quant variants that eval.attribution compares it with."""
+    names = [cfg.engine.name]
+    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
+        names += ["fakequant", "fakequant_exported", "fakequant_jitter"]
+    return names
+
+
+def candidate_identity(name: str, engine_cfg, model_fp: str, qkey: str, checkpoint_fp) -> str:
+    """What a candidate's outputs depend on: the exported checkpoint for engines (checkpoint_fp() gives its
+    fingerprint, asked only for them), the calibrated state for fake-quant variants, the model itself for the
+    reference control run."""
+    if name in ("torch", "trtllm"):
+        return f"{checkpoint_fp()}:{engine_cfg.trtllm_backend if name == 'trtllm' else ''}"
+    if name == "reference":
+        return model_fp
+    return qkey
 
 
 def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str, cfg: EvalConfig, limits: dict,
