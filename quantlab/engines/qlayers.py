@@ -105,9 +105,12 @@ class Fp8Linear(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         xq = self.shared.quantize(x) if self.shared is not None else fp8_quantize(x, self.inv_input_scale)
+        return self.gemm(xq, x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32)
+
+    def gemm(self, xq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """An already quantized activation [M, K] times the weight, both scales applied (fp32 when emulated)."""
         if self.native:
-            rows = x.shape[0]
-            out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            rows = xq.shape[0]
             out = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.input_scale,
                                    scale_b=self.weight_scale, out_dtype=out_dtype)
             return out[:rows]
@@ -204,10 +207,8 @@ class Fp8GatedMLP(nn.Module):
         self.native = gate.native
         if not self.native:
             self.kernel = "fp8 emulation: gate|up one GEMM, silu*up+quantize, down"
-        self.intermediate = gate.out_features
         weight = torch.cat([gate.weight.view(torch.uint8), up.weight.view(torch.uint8)]).view(torch.float8_e4m3fn)
         self.register_buffer("weight", weight)  # [2I, K]
-        self.register_buffer("input_scale", gate.input_scale)
         self.register_buffer("inv_input_scale", gate.inv_input_scale)
         rows = torch.cat([(gate.input_scale * gate.weight_scale).expand(gate.out_features),
                           (up.input_scale * up.weight_scale).expand(up.out_features)])
@@ -226,13 +227,10 @@ class Fp8GatedMLP(nn.Module):
             ones = torch.ones(padded.shape[0], 1, device=x.device, dtype=torch.float32)
             y = torch._scaled_mm(padded, self.weight.t(), scale_a=ones, scale_b=self.row_scale,
                                  out_dtype=torch.bfloat16)  # fuse_shared_inputs fuses bf16 models only
-            hq = silu_mul_quantize(y, self.down.inv_input_scale)
-            out = torch._scaled_mm(hq, self.down.weight.t(), scale_a=self.down.input_scale,
-                                   scale_b=self.down.weight_scale, out_dtype=torch.bfloat16)[:rows]
         else:
             y = ((xq.float() @ self.weight_f32.t()) * self.row_scale).to(x.dtype)
-            hq = silu_mul_quantize(y, self.down.inv_input_scale)
-            out = (hq.float() @ self.down.weight_f32.t()) * (self.down.input_scale * self.down.weight_scale)
+        hq = silu_mul_quantize(y, self.down.inv_input_scale)  # rows padded like y's on the native path
+        out = self.down.gemm(hq, torch.bfloat16)[:rows]
         return out.to(x.dtype).reshape(*shape[:-1], self.down.out_features)
 
 
