@@ -121,7 +121,7 @@ def main() -> None:
         x = logits[:, :-1]
         exact = torch.logsumexp(x.double(), -1) - x.double().gather(-1, target[..., None])[..., 0]
         log_softmax_err = (-torch.log_softmax(x, -1).gather(-1, target[..., None])[..., 0]).double() - exact
-        ours_err = metrics.position_stats(logits, target)[1].double() - exact
+        ours_err = metrics.PositionStats(logits, target).nll.double() - exact
 
     samples = sorted(out["samples"]["quantlab_windows"], key=lambda s: s["doc_id"])
     lm_ll = [float(s["resps"][0][0]) if isinstance(s["resps"][0], (list, tuple)) else float(s["resps"][0]) for s in samples]

@@ -44,7 +44,7 @@ FORMULA_VERSION = 2
 
 class PositionStats:
     """Per-position statistics of next-token logits [B,T,V] against targets [B,T-1] (the last position predicts
-    nothing). Log-probabilities are log_softmax(logits) = logits - logsumexp(logits), formed only where asked
+    nothing): .nll and .argmax [B,T-1], .topk(k), .at(ids). Log-probabilities are log_softmax(logits) = logits - logsumexp(logits), formed only where asked
     for (the targets, the top-k, the reference's top-k indices), so no [B,T,V] log-prob tensor is materialized."""
 
     def __init__(self, logits, targets):
@@ -63,12 +63,6 @@ class PositionStats:
         """(log p, ids) of the k most likely tokens per position."""
         values, idx = self.logits.topk(k, dim=-1)
         return values - self.lse.unsqueeze(-1), idx
-
-
-def position_stats(logits, targets):
-    """logits [B,T,V], targets [B,T-1] -> (stats, nll [B,T-1], argmax [B,T-1]); stats: PositionStats."""
-    stats = PositionStats(logits, targets)
-    return stats, stats.nll, stats.argmax
 
 
 def topk_kl(ref_lp_top, cand_lp_top):

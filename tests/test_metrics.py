@@ -13,7 +13,8 @@ from quantlab import metrics
 def test_position_stats_golden():
     logits = torch.tensor([[[0.0, math.log(3.0)], [math.log(3.0), 0.0], [5.0, 5.0]]])  # [1, 3, 2]
     targets = torch.tensor([[1, 1]])
-    _, nll, am = metrics.position_stats(logits, targets)
+    stats = metrics.PositionStats(logits, targets)
+    nll, am = stats.nll, stats.argmax
     # p(target) = 3/4 at position 0, 1/4 at position 1; the last position predicts nothing.
     assert torch.allclose(nll, torch.tensor([[-math.log(0.75), -math.log(0.25)]]), atol=1e-6)
     assert am.tolist() == [[1, 0]]
@@ -43,7 +44,8 @@ def test_position_stats_log_probs_match_log_softmax():
     """nll, top-k and gathered log-probs equal log_softmax's, without forming the [B,T,V] log-probs."""
     logits = torch.randn(2, 9, 300) * 4
     targets = torch.randint(0, 300, (2, 8))
-    stats, nll, am = metrics.position_stats(logits, targets)
+    stats = metrics.PositionStats(logits, targets)
+    nll, am = stats.nll, stats.argmax
     lp = torch.log_softmax(logits[:, :-1], -1)
     assert torch.allclose(nll, -lp.gather(-1, targets[..., None])[..., 0], atol=1e-5)
     assert torch.equal(am, lp.argmax(-1))

@@ -67,8 +67,8 @@ def recommend(rows: list[dict]) -> dict | None:
 def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
     rows = [_row(d) for d in run_dirs]
     rows.sort(key=lambda r: (r["size_bytes"] or 0, r["label"]))
-    front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in rows if r.get("size_bytes") and r.get("ppl_ratio")])
     evaluated = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
+    front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in evaluated])
     for i, r in enumerate(evaluated):
         r["pareto"] = i in front
     ctx = {"rows": rows, "best": recommend(rows), "plot": pareto(rows), "out_dir": str(out_dir)}

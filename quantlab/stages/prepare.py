@@ -8,8 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from quantlab import costs
@@ -35,19 +37,11 @@ class ModelRef:
     trust_remote_code: bool = False
     preferred_awq_block: int | None = None
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """Parameters in the checkpoint, from the safetensors headers (no tensor is read)."""
-        if "_num_params" not in self.__dict__:
-            total = 0
-            for file in sorted(self.path.glob("*.safetensors")):
-                for meta in read_safetensors_header(file).values():
-                    n = 1
-                    for d in meta["shape"]:
-                        n *= d
-                    total += n
-            self.__dict__["_num_params"] = total
-        return self.__dict__["_num_params"]
+        return sum(math.prod(meta["shape"]) for file in sorted(self.path.glob("*.safetensors"))
+                   for meta in read_safetensors_header(file).values())
 
     @property
     def max_positions(self) -> int | None:

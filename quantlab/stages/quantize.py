@@ -94,8 +94,8 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
 
     # Calibration observes the decoder layers only (lm_head is never quantized): skip the logits of every
     # position but the last, which on a 49K vocabulary are ~20% of the forward pass and most of its memory.
-    keep = {"logits_to_keep": 1} if full_logits is False and "logits_to_keep" in inspect.signature(model.forward).parameters \
-        else {}
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    keep = {"logits_to_keep": 1} if takes_keep and not full_logits else {}
 
     def forward_loop(m):
         start = time.time()
