@@ -36,6 +36,10 @@ class EmbeddedModel:
     note: str = ""
 
 
+# accelerate's placement strategies, accepted by model.device_map (calibration, reference, fake-quant, torch engine)
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 @dataclass
 class ModelConfig:
     name: str = "smollm2_135m"
@@ -44,7 +48,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     dtype: str = "auto"  # auto = float32 on CPU (bf16 matmul is ~400x slower there), bfloat16 on GPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    device_map: Optional[str] = None  # e.g. "auto" to spread a large model over several GPUs
+    device_map: Optional[str] = None  # one of DEVICE_MAPS, to spread a large model over several GPUs
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -1,7 +1,7 @@
 """Checks that reject impossible requests before any model forward pass, each naming the fix."""
 from __future__ import annotations
 
-from quantlab.config import Config
+from quantlab.config import DEVICE_MAPS, Config
 from quantlab.env import Device
 from quantlab.errors import QuantlabError
 from quantlab.precisions import REGISTRY, effective_block_size, kv_quant_algo, spec_for
@@ -29,6 +29,9 @@ def check_config(cfg: Config) -> None:
     for knob, value in positive.items():
         if value <= 0:
             raise QuantlabError(f"{knob}={value} must be a positive number", fix=f"set {knob} to 1 or more")
+    if cfg.model.device_map is not None and cfg.model.device_map not in DEVICE_MAPS:
+        raise QuantlabError(f"model.device_map={cfg.model.device_map!r} is not supported",
+                            fix=f"use one of {', '.join(DEVICE_MAPS)} (or model.device=cuda:N for one device)")
     if cfg.eval.seq_len < 2:
         raise QuantlabError(f"eval.seq_len={cfg.eval.seq_len}: a window needs 2 tokens or more to score one",
                             fix="set eval.seq_len to 2 or more")

@@ -69,6 +69,7 @@ ERRORS = [
     (["+precision=fp8", "model.path={llama}", "gate.baseline={files}/short.txt"], "is not JSON"),
     (["+precision=fp8", "eval.prefix_token=cls"], "eval.prefix_token='cls' is not supported"),
     (["+precision=fp8", "eval.seq_len=1"], "a window needs 2 tokens or more"),
+    (["+precision=fp8", "model.device_map=everywhere"], "model.device_map='everywhere' is not supported"),
 ]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantlab.config import DEVICE_MAPS
 from quantlab.engines.base import Engine, Limits
 from quantlab.engines.qlayers import Fp8Linear, Int4AwqLinear, Int8SqLinear, fp8_qdq, fuse_shared_inputs
 from quantlab.errors import QuantlabError
@@ -96,10 +97,9 @@ def _placement(model: nn.Module, device, dtype: torch.dtype, device_map: str | N
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
-    choices = ("auto", "balanced", "balanced_low_0", "sequential")
-    if device_map not in choices:
+    if device_map not in DEVICE_MAPS:
         raise QuantlabError(f"model.device_map={device_map!r} is not supported by engine=torch",
-                            fix=f"use one of {', '.join(choices)}")
+                            fix=f"use one of {', '.join(DEVICE_MAPS)}")
     no_split = getattr(model, "_no_split_modules", None) or []
     max_memory = None if device_map == "sequential" else get_balanced_memory(
         model, dtype=dtype, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0")
