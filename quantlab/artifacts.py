@@ -70,6 +70,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 @dataclass
+class Built:
+    """What a build function may return instead of a bare info dict: the info recorded in the manifest, and the
+    value it made in memory (e.g. the calibrated model), handed to the caller instead of being reloaded."""
+
+    info: dict
+    value: Any = None
+
+
+@dataclass
 class Artifact:
     stage: str
     key: str
@@ -132,12 +141,13 @@ class ArtifactStore:
         self,
         stage: str,
         key: str,
-        build: Callable[[Path], dict],
+        build: Callable[[Path], "dict | Built"],
         manifest_extra: dict,
         describe: str = "",
         cost: dict | None = None,
-    ) -> Artifact:
-        """Return the artifact for key, building it with build(tmp_dir) -> info once across processes.
+    ) -> tuple[Artifact, Built | None]:
+        """(artifact, what this call built or None): the artifact for key, built with build(tmp_dir) -> info (or
+        Built(info, value)) once across processes; a process that finds it built by another gets None.
 
         cost: what the build's time depends on (device, variant, params, size); recorded with the wall time
         (less info["upstream_seconds"], time the build spent making its inputs) and the machine, so that
@@ -146,7 +156,7 @@ class ArtifactStore:
         if found is not None:
             self.events.append((stage, key, "reused"))
             log.info("%s: reusing %s", stage, found.path)
-            return found
+            return found, None
         lock = self._lock(stage, key)
         try:
             lock.acquire(timeout=1)
@@ -157,7 +167,7 @@ class ArtifactStore:
             found = self.load(stage, key)
             if found is not None:
                 self.events.append((stage, key, "reused"))
-                return found
+                return found, None
             for stale in (self.root / ".tmp").glob(f"{stage}-{key}-*"):  # an interrupted build of this key
                 log.info("%s: removing the unfinished build %s left by an interrupted run", stage, stale.name)
                 shutil.rmtree(stale, ignore_errors=True)
@@ -165,7 +175,9 @@ class ArtifactStore:
             tmp.mkdir(parents=True)
             try:
                 start = time.time()
-                info = build(tmp) or {}
+                result = build(tmp)
+                built = result if isinstance(result, Built) else Built(result or {})
+                info = built.info
                 files = fingerprint_files(tmp)
                 manifest = {
                     "schema_version": SCHEMA_VERSION,
@@ -195,7 +207,7 @@ class ArtifactStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             self.events.append((stage, key, "built"))
-            return Artifact(stage, key, final, manifest)
+            return Artifact(stage, key, final, manifest), built
         finally:
             lock.release()
 

@@ -1,40 +1,34 @@
 """Command line: argv checks with "did you mean", then @hydra.main -> to_object -> run_pipeline.
 
 Exit codes: 0 every run may ship, 1 a gate failed, 2 bad config or input, 3 internal error (a bug: the
-traceback is written to the run directory). A sweep exits with the largest code of its runs.
+traceback is written to the run directory), 130 interrupted. A sweep exits with the largest code of its runs,
+read from each job's status.json after Hydra returns (jobs may run in other processes).
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
+import os
 import sys
+import time
 import traceback
 import typing
 from pathlib import Path
 
 from quantlab.artifacts import write_json_atomic
-from quantlab.config import PRECISION_SCHEMAS, Config, calib_data_dir, conf_dir, register_configs
-from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
+from quantlab.compose import group_options, normalize, register_configs
+from quantlab.config import Config, conf_dir
+from quantlab.engines.registry import ENGINE_SCHEMAS
+from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, QuantlabError
+from quantlab.metrics import GATEABLE
+from quantlab.precisions import PRECISION_SCHEMAS
+from quantlab.registry import did_you_mean
+from quantlab.report.sweep import STATUS, exit_codes
 
-EXIT_INTERNAL = 3
 LOCAL_LAUNCHERS = ("basic", "joblib", "submitit_local")  # jobs run on this machine
 HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
-STATUS = "status.json"
 GROUPS = ("precision", "kv_cache", "engine", "gate", "model")
-_outcomes: list[int] = []
 log = logging.getLogger("quantlab")
-
-
-def group_options(group: str) -> list[str]:
-    if group == "calib_data":
-        return sorted(p.stem for p in calib_data_dir().glob("*.yaml"))
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-
-
-def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _fields(tp) -> dict[str, typing.Any]:
@@ -42,20 +36,43 @@ def _fields(tp) -> dict[str, typing.Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(tp)}
 
 
+class _Choices:
+    """The group options this command line selects (several in a sweep)."""
+
+    def __init__(self, chosen: dict[str, list[str]]):
+        self.precision = chosen.get("precision", [])
+        self.engine = chosen.get("engine", ["torch"])
+
+
 def _dict_keys(path: list[str]) -> list[str] | None:
     """Allowed keys of the dict-valued node at path (None: free-form)."""
-    from quantlab.metrics import REGISTRY
-
-    metric_names = [m for m, info in REGISTRY.items() if info.gateable]
     if path == ["gate", "thresholds"] or (len(path) == 3 and path[:2] == ["gate", "per_precision"]):
-        return metric_names
+        return GATEABLE
     if path == ["gate", "per_precision"]:
         return list(PRECISION_SCHEMAS)
     return None
 
 
-def _check_key(path: list[str], full: str) -> None:
-    """Walk the dataclass schema along path; raise with the closest sibling name on a miss."""
+def _group_node(group: str, options: list[str], part: str, full: str) -> typing.Any:
+    """The schema of `group` for a key below it: every chosen option must have the key."""
+    schemas = PRECISION_SCHEMAS if group == "precision" else ENGINE_SCHEMAS
+    for option in options:
+        fields = _fields(schemas[option])
+        if part not in fields:
+            having = [name for name, schema in schemas.items() if part in _fields(schema)]
+            if having:
+                raise QuantlabError(f"{full} does not apply to {group}={option}: only {', '.join(having)} "
+                                    f"{'has' if len(having) == 1 else 'have'} {part!r}",
+                                    fix=f"drop {full} for {option}" + (" (block_size=auto, the default, picks one "
+                                                                        "per model)" if part == "block_size" else ""))
+            raise QuantlabError(f"unknown config key {full!r}: {group}={option} has no {part!r}"
+                                f"{did_you_mean(part, fields)}",
+                                fix=f"valid keys there: {', '.join(sorted(fields)) or '(none)'}")
+    return _fields(schemas[options[0]])[part] if options else typing.Any
+
+
+def _check_key(path: list[str], full: str, choices: _Choices) -> None:
+    """Walk the schema along path; raise with the closest sibling name on a miss."""
     node: typing.Any = Config
     for depth, part in enumerate(path):
         origin = typing.get_origin(node)
@@ -65,34 +82,35 @@ def _check_key(path: list[str], full: str) -> None:
         if origin in (dict, typing.Dict):
             allowed = _dict_keys(path[:depth])
             if allowed is not None and part not in allowed:
-                raise QuantlabError(f"unknown name {part!r} in {full!r}{_did_you_mean(part, allowed)}",
+                raise QuantlabError(f"unknown name {part!r} in {full!r}{did_you_mean(part, allowed)}",
                                     fix=f"valid names there: {', '.join(allowed)}")
             node = typing.get_args(node)[1]
             continue
-        if node is typing.Any and path[depth - 1] == "precision":
-            fields: dict = {}
-            for schema in PRECISION_SCHEMAS.values():
-                fields.update(_fields(schema))
-        elif dataclasses.is_dataclass(node):
-            fields = _fields(node)
-        else:
+        if depth == 1 and path[0] in ("precision", "engine"):
+            node = _group_node(path[0], getattr(choices, path[0]), part, full)
+            continue
+        if not dataclasses.is_dataclass(node):
             return  # a leaf value or free-form node
+        fields = _fields(node)
         if part not in fields:
             where = ".".join(path[:depth]) or "the top level"
-            raise QuantlabError(f"unknown config key {full!r}: {where} has no {part!r}{_did_you_mean(part, fields)}",
+            raise QuantlabError(f"unknown config key {full!r}: {where} has no {part!r}{did_you_mean(part, fields)}",
                                 fix=f"valid keys there: {', '.join(sorted(fields))}")
         node = fields[part]
 
 
 def check_argv(args: list[str]) -> list[str]:
-    """Validate overrides before Hydra composes; returns argv with `precision=X` spelled `+precision=X`."""
+    """Validate overrides before Hydra composes; returns argv with `+precision=X` spelled `precision=X` and gate
+    dict entries spelled so that Hydra may add them."""
+    args = normalize(args)
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         parsed = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
     except Exception:  # noqa: BLE001 - let Hydra report syntax errors in its own words
         return args
-    out = list(args)
+    chosen: dict[str, list[str]] = {}
+    keyed = []
     for ov in parsed:
         key = ov.key_or_group
         if key.startswith("hydra") or ov.is_delete():
@@ -103,12 +121,18 @@ def check_argv(args: list[str]) -> list[str]:
             options = group_options(group)
             for value in values:
                 if value not in options:
-                    raise QuantlabError(f"unknown {group} {value!r}{_did_you_mean(value, options)}",
+                    raise QuantlabError(f"unknown {group} {value!r}{did_you_mean(value, options)}",
                                         fix=f"choose one of: {', '.join(options)}")
-            if group == "precision" and not ov.is_add():
-                out[out.index(ov.input_line)] = "+" + ov.input_line
+            chosen[group] = values
             continue
-        _check_key(key.split("."), key)
+        keyed.append(ov)
+    if "precision" not in chosen:
+        raise QuantlabError("no precision chosen", fix=f"add +precision=fp8 (or one of {', '.join(PRECISION_SCHEMAS)})")
+    choices = _Choices(chosen)
+    out = list(args)
+    for ov in keyed:
+        key = ov.key_or_group
+        _check_key(key.split("."), key, choices)
         if key.startswith(("gate.thresholds.", "gate.per_precision.")) and not ov.is_add() and not ov.is_force_add():
             out[out.index(ov.input_line)] = "++" + ov.input_line  # add or override a dict entry
     return out
@@ -116,11 +140,11 @@ def check_argv(args: list[str]) -> list[str]:
 
 def check_output_dir(args: list[str]) -> None:
     """The run / sweep directory must be creatable; otherwise Hydra fails with a traceback wall."""
-    import os
-
     multirun = "-m" in args or "--multirun" in args
     key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
     target = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith(key)), "outputs")
+    if not target.strip():
+        raise QuantlabError(f"{key[:-1]} is empty", fix=f"give {key[:-1]} a directory, or leave it out")
     static = Path(target.split("${")[0] or ".").expanduser()
     probe = static if static.is_absolute() else Path.cwd() / static
     while not probe.exists():
@@ -129,6 +153,23 @@ def check_output_dir(args: list[str]) -> None:
         raise QuantlabError(f"the output directory {target} cannot be created: {probe} is not a writable directory",
                             fix="run from a writable directory, or set hydra.run.dir=/a/writable/path "
                                 "(hydra.sweep.dir for sweeps)")
+
+
+def _pin_sweep_dir(args: list[str]) -> tuple[list[str], Path]:
+    """Fix the sweep directory before Hydra launches, so that the exit codes of its jobs can be read back."""
+    given = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra.sweep.dir=")), None)
+    sweep = given if given and "${" not in given else time.strftime("outputs/sweep_%Y-%m-%d_%H-%M-%S")
+    if given and "${" in given:
+        from omegaconf import OmegaConf
+
+        import hydra.core.utils  # noqa: F401 - registers the ${now:} resolver
+
+        sweep = OmegaConf.create({"d": given}).d
+    args = [a for a in args if not a.lstrip("+").startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={sweep}"]
+    return args, Path(sweep)
+
+
+_outcomes: list[int] = []  # exit codes of jobs run in this process
 
 
 def _task(dict_cfg) -> None:
@@ -145,6 +186,9 @@ def _task(dict_cfg) -> None:
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
         code, error = exc.exit_code, str(exc)
+    except KeyboardInterrupt:
+        print("\nquantlab: interrupted; finished artifacts are kept, rerun the same command to resume", file=sys.stderr)
+        code, error = EXIT_INTERRUPTED, "interrupted"
     except Exception as exc:  # noqa: BLE001 - a bug: keep the traceback, show one paragraph
         trace = run_dir / "traceback.txt"
         trace.write_text(traceback.format_exc())
@@ -153,23 +197,34 @@ def _task(dict_cfg) -> None:
     # Launchers may run this in another process: the exit code also travels through the run directory.
     write_json_atomic(run_dir / STATUS, {"exit_code": code, "error": error})
     _outcomes.append(code)
+    if code == EXIT_INTERRUPTED:
+        raise SystemExit(EXIT_INTERRUPTED)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("\nquantlab: interrupted; finished artifacts are kept, rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args: list[str]) -> int:
     import hydra
 
-    args = list(sys.argv[1:] if argv is None else argv)
     plan_only = "--plan" in args
     args = [a for a in args if a != "--plan"]
+    multirun = ("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)
     try:
-        args = check_argv(args)
+        if not any(a in HYDRA_FLAGS for a in args):
+            args = check_argv(args)
         if not plan_only:
             check_output_dir(args)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     launcher = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")), "basic")
-    if plan_only or (("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)):
+    if plan_only or multirun:
         from quantlab.plan import print_plan
 
         if not plan_only and launcher not in LOCAL_LAUNCHERS:
@@ -180,14 +235,22 @@ def main(argv: list[str] | None = None) -> int:
             code = print_plan(args, strict=plan_only)
             if plan_only:
                 return code
+    sweep_dir = None
+    if multirun:
+        args, sweep_dir = _pin_sweep_dir(args)
     sys.argv = [sys.argv[0]] + args
     register_configs()
     _outcomes.clear()
     try:
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
     except SystemExit as exc:
-        if exc.code not in (0, None) and not _outcomes:
-            return EXIT_BAD_INPUT  # Hydra rejected the config before any run started (message already printed)
+        if exc.code == EXIT_INTERRUPTED:
+            return EXIT_INTERRUPTED
         if exc.code not in (0, None):
-            return max(_outcomes + [EXIT_INTERNAL])
-    return max(_outcomes, default=0)
+            if not _outcomes and not (sweep_dir and sweep_dir.is_dir() and exit_codes(sweep_dir)):
+                return EXIT_BAD_INPUT  # Hydra rejected the config before any run started (message already printed)
+            return max(_outcomes + (exit_codes(sweep_dir) if sweep_dir and sweep_dir.is_dir() else []) + [EXIT_INTERNAL])
+    codes = list(_outcomes)
+    if sweep_dir is not None and sweep_dir.is_dir():
+        codes += exit_codes(sweep_dir)
+    return max(codes, default=0)

@@ -1,12 +1,15 @@
-"""Typed configuration. Dataclasses are the schema (registered in Hydra's ConfigStore); YAML holds values.
+"""Typed configuration: the dataclasses are the schema (registered in Hydra's ConfigStore by quantlab.compose);
+YAML files hold values only. Every node is a structured config, so an unknown key fails at composition time.
 
-Every node is a structured config, so an unknown key fails at composition time instead of being ignored.
+Precision and engine schemas live beside their registry entries (quantlab.precisions, quantlab.engines.registry):
+the config group chosen (`precision=fp8`, `engine=torch`) decides the node's type, and the type decides what runs.
+No field names the mode, so nothing can claim one mode while another runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 from omegaconf import MISSING
 
@@ -32,7 +35,6 @@ class EmbeddedModel:
     package: str = MISSING
     file: str = MISSING
     architecture: str = "LlamaForCausalLM"
-    awq_block_size: Optional[int] = None  # preferred AWQ block when the model's dimensions need one
     note: str = ""
 
 
@@ -42,8 +44,10 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 @dataclass
 class ModelConfig:
-    name: str = "smollm2_135m"
-    path: Optional[str] = None  # a local HF checkpoint; when set, `embedded` is ignored
+    """The model: a local HF checkpoint (`path`) or the embedded one. Its name in reports is derived from what is
+    loaded (the directory, or the embedded file), never set separately."""
+
+    path: Optional[str] = None  # a local HF checkpoint directory (model=local requires it)
     embedded: Optional[EmbeddedModel] = None
     trust_remote_code: bool = False
     dtype: str = "auto"  # auto = float32 on CPU (bf16 matmul is ~400x slower there), bfloat16 on GPU
@@ -56,11 +60,11 @@ class ModelConfig:
 class DataConfig:
     """A data recipe (calib_data/*.yaml). Source: `path` if set, else `dataset`, else Python's pydoc text."""
 
-    path: Optional[str] = None  # local .txt or .jsonl
+    path: Optional[str] = None  # local .txt / .jsonl / .json / .csv / .parquet file
     dataset: Optional[str] = None  # HF `datasets` name, used only where it is available locally
     dataset_config: Optional[str] = None
     split: Optional[str] = None  # default: train for calibration, test for evaluation
-    text_field: str = "text"  # jsonl / datasets column holding the text
+    text_field: str = "text"  # jsonl / csv / datasets column holding the text
     seq_len: int = 512
     seed: int = 0
     # eos | bos: every window is that token followed by seq_len - 1 text tokens, so the first text token is
@@ -88,44 +92,7 @@ class EvalConfig(DataConfig):
 # ------------------------------------------------------------------------------------------ precision
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING
-
-
-@dataclass
-class Fp8Config(PrecisionConfig):
-    """W8A8 FP8 E4M3, per-tensor static scales (Hopper / Ada or newer for real FP8 GEMMs)."""
-
-    name: str = "fp8"
-
-
-@dataclass
-class Int8SqConfig(PrecisionConfig):
-    """W8A8 INT8 SmoothQuant: per-channel weights, per-tensor static activations."""
-
-    name: str = "int8_sq"
-    alpha: Optional[float] = None  # SmoothQuant migration strength; null = ModelOpt's default
-
-
-@dataclass
-class Int4AwqConfig(PrecisionConfig):
-    """W4A16 AWQ with group-wise int4 weights."""
-
-    name: str = "int4_awq"
-    block_size: Optional[int] = None  # null = the model's preferred block (SmolLM2: 64), else 128
-
-
-@dataclass
-class W4A8AwqConfig(Int4AwqConfig):
-    """W4A8 AWQ: int4 weights, FP8 activations (Ada / Hopper or newer)."""
-
-    name: str = "w4a8_awq"
-
-
-@dataclass
-class Nvfp4Config(PrecisionConfig):
-    """NVFP4 W4A4 with FP8 block scales (Blackwell or newer)."""
-
-    name: str = "nvfp4"
+    """Base of every precision schema (quantlab.precisions); the chosen group option decides the subclass."""
 
 
 @dataclass
@@ -136,13 +103,11 @@ class KvCacheConfig:
 # --------------------------------------------------------------------------------------------- engine
 @dataclass
 class EngineConfig:
-    name: str = "torch"  # torch | fakequant | trtllm | reference
-    checkpoint: Optional[str] = None  # evaluate this exported checkpoint instead of quantizing (e.g. from hf_ptq)
+    """Build limits every engine has; engine schemas (quantlab.engines.registry) add their own options."""
+
     max_input_len: Optional[int] = None  # null = the model's max positions
     max_seq_len: Optional[int] = None
     max_batch_size: int = 64
-    tensor_parallel_size: int = 1
-    trtllm_backend: str = "pytorch"
 
 
 # ----------------------------------------------------------------------------------------------- gate
@@ -171,37 +136,18 @@ class GateConfig:
 
 
 # ----------------------------------------------------------------------------------------------- root
+STAGES = ("prepare", "data", "quantize", "export", "build", "evaluate")  # stop_after cuts the run after one
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
-    precision: Any = None  # chosen with +precision=NAME (not in the defaults list)
+    precision: PrecisionConfig = MISSING  # a config group: precision=fp8 (or +precision=fp8)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     calib: CalibConfig = field(default_factory=CalibConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = MISSING  # a config group: engine=torch (default)
     gate: GateConfig = field(default_factory=GateConfig)
     cache_dir: Optional[str] = None  # default: $QUANTLAB_CACHE or ~/.cache/quantlab
-    stop_after: Optional[str] = None  # a stage name (e.g. export) to end the run early
+    stop_after: Optional[str] = None  # one of STAGES, to end the run early
     quiet: bool = False
-
-
-PRECISION_SCHEMAS: Dict[str, type] = {
-    "fp8": Fp8Config,
-    "int8_sq": Int8SqConfig,
-    "int4_awq": Int4AwqConfig,
-    "w4a8_awq": W4A8AwqConfig,
-    "nvfp4": Nvfp4Config,
-}
-
-
-def register_configs() -> None:
-    """Register schemas and the calib_data/ recipes in Hydra's ConfigStore (idempotent)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for name, schema in PRECISION_SCHEMAS.items():
-        cs.store(group="precision", name=f"_schema_{name}", node=schema)
-    for recipe in sorted(calib_data_dir().glob("*.yaml")):
-        cs.store(group="calib_data", name=recipe.stem, node=OmegaConf.load(recipe))

@@ -1,9 +1,11 @@
-"""One error type for everything a user can fix: bad config, bad input, impossible request."""
+"""Exit codes and the one error type for everything a user can fix: bad config, bad input, impossible request."""
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_GATE_FAILED = 1
-EXIT_BAD_INPUT = 2
+EXIT_OK = 0  # every run passed every gate: may ship
+EXIT_GATE_FAILED = 1  # a gate (or the checkpoint audit) failed
+EXIT_BAD_INPUT = 2  # bad config or input: the message names the fix
+EXIT_INTERNAL = 3  # a bug of ours: the traceback is kept in the run directory
+EXIT_INTERRUPTED = 130  # Ctrl-C: finished artifacts are kept, a rerun resumes
 
 
 class QuantlabError(Exception):

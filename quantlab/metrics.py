@@ -12,28 +12,55 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantlab.registry import Registry
+
+
+METRICS_SCHEMA = "quantlab.metrics/1"  # the schema string of metrics.json (quantlab.report.documents.MetricsDoc)
+
 
 @dataclass(frozen=True)
-class MetricInfo:
+class MetricSpec:
+    """What the gate and the reports need to know about a metric: its direction, its ideal value (the reference
+    against itself), its range, whether a gate may threshold it and whether the summary tables show it."""
+
     higher_is_better: bool
     definition: str
+    ideal: float | None = None
     gateable: bool = True
+    in_table: bool = True
+    range: tuple[float, float] = (-math.inf, math.inf)
+
+    def loss(self, value: float) -> float:
+        """How far from ideal, in the metric's units, positive when worse (attribution adds these up)."""
+        return (self.ideal - value) if self.higher_is_better else (value - self.ideal)
 
 
-REGISTRY: dict[str, MetricInfo] = {
-    "top1_agreement": MetricInfo(True, "share of predicted positions where argmax(candidate) == argmax(reference), teacher-forced"),
-    "ppl_reference": MetricInfo(False, "exp(sum NLL_ref / predicted tokens) over non-overlapping windows", gateable=False),
-    "ppl_candidate": MetricInfo(False, "exp(sum NLL_cand / predicted tokens) over the same windows"),
-    "ppl_ratio": MetricInfo(False, "ppl_candidate / ppl_reference = exp(mean over tokens of NLL_cand - NLL_ref)"),
-    "dnll_mean": MetricInfo(False, "mean per-token NLL_cand - NLL_ref (nats); CI paired over windows"),
-    "kl_mean": MetricInfo(False, "mean over positions of KL(ref || cand) on the reference's top-k tokens plus one tail bin "
-                                 "(a lower bound of the full-vocabulary KL, equal when the tail mass is ~0)"),
-    "kl_p90": MetricInfo(False, "90th percentile over positions of the same per-position KL"),
-    "kl_p99": MetricInfo(False, "99th percentile over positions of the same per-position KL"),
-    "ref_tail_mass": MetricInfo(False, "mean reference probability outside its top-k (how tight the KL bound is)", gateable=False),
-    "gen_exact_match": MetricInfo(True, "share of prompts whose greedy continuation (N new tokens) is identical"),
-    "gen_first_divergence": MetricInfo(True, "mean index of the first differing generated token (N when identical)"),
-}
+METRICS: Registry[MetricSpec] = Registry("metric", "gate.thresholds.METRIC")
+METRICS.add("top1_agreement", MetricSpec(True, "share of predicted positions where argmax(candidate) == "
+                                               "argmax(reference), teacher-forced", 1.0, range=(0.0, 1.0)))
+METRICS.add("ppl_reference", MetricSpec(False, "exp(sum NLL_ref / predicted tokens) over non-overlapping windows",
+                                        gateable=False, range=(1.0, math.inf)))
+METRICS.add("ppl_candidate", MetricSpec(False, "exp(sum NLL_cand / predicted tokens) over the same windows",
+                                        range=(1.0, math.inf)))
+METRICS.add("ppl_ratio", MetricSpec(False, "ppl_candidate / ppl_reference = exp(mean over tokens of NLL_cand - NLL_ref)",
+                                    1.0, range=(0.0, math.inf)))
+METRICS.add("dnll_mean", MetricSpec(False, "mean per-token NLL_cand - NLL_ref (nats); CI paired over windows", 0.0,
+                                    in_table=False))
+METRICS.add("kl_mean", MetricSpec(False, "mean over positions of KL(ref || cand) on the reference's top-k tokens plus "
+                                         "one tail bin (a lower bound of the full-vocabulary KL, equal when the tail "
+                                         "mass is ~0)", 0.0, range=(0.0, math.inf)))
+METRICS.add("kl_p90", MetricSpec(False, "90th percentile over positions of the same per-position KL", 0.0,
+                                 in_table=False, range=(0.0, math.inf)))
+METRICS.add("kl_p99", MetricSpec(False, "99th percentile over positions of the same per-position KL", 0.0,
+                                 range=(0.0, math.inf)))
+METRICS.add("ref_tail_mass", MetricSpec(False, "mean reference probability outside its top-k (how tight the KL bound "
+                                               "is)", 0.0, gateable=False, in_table=False, range=(0.0, 1.0)))
+METRICS.add("gen_exact_match", MetricSpec(True, "share of prompts whose greedy continuation (N new tokens) is "
+                                                "identical", 1.0, range=(0.0, 1.0)))
+METRICS.add("gen_first_divergence", MetricSpec(True, "mean index of the first differing generated token (N when "
+                                                     "identical)", range=(0.0, math.inf)))
+GATEABLE = [name for name, spec in METRICS.items() if spec.gateable]
+TABLE = [name for name, spec in METRICS.items() if spec.in_table]
 
 
 # ------------------------------------------------------------------------------------ per position
@@ -144,7 +171,7 @@ def summarize(w: dict, positions_kl: np.ndarray, gen: dict | None, tail_mass: fl
     out: dict[str, dict] = {}
 
     def put(name, value, ci=None, **extra):
-        entry = {"value": float(value), "higher_is_better": REGISTRY[name].higher_is_better}
+        entry = {"value": float(value), "higher_is_better": METRICS[name].higher_is_better}
         if ci is not None:
             entry["ci95"] = [float(ci[0]), float(ci[1])]
         entry.update(extra)

@@ -1,207 +1,149 @@
-"""The run, top to bottom: preflight, prepare, data, quantize, export, build, evaluate, gate, report."""
+"""The run, top to bottom: check the request, execute the run graph's steps, gate, report.
+
+The shape of the run (which steps, what each needs, how each is keyed) is declared in quantlab.graph; this module
+only interprets it and writes the run directory.
+"""
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-from quantlab import costs, preflight
+from quantlab import preflight
 from quantlab.artifacts import ArtifactStore, write_json_atomic
 from quantlab.config import Config
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK
-from quantlab.precisions import describe, kv_quant_algo, modelopt_config, spec_for
-from quantlab.stages import build, data, evaluate, export, gate, prepare, quantize, report
+from quantlab.graph import Executor, steps_for, targets
+from quantlab.stages import evaluate, gate
+from quantlab.step import RunContext
 
 log = logging.getLogger("quantlab")
+REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.json", "checkpoint", "traceback.txt")
 
 
-class Timer:
-    def __init__(self):
-        self.stages: dict[str, float] = {}
+def context(cfg: Config) -> RunContext:
+    """Config checks, the store and the device: everything decided before any model is touched."""
+    preflight.check_config(cfg)
+    store = ArtifactStore(cfg.cache_dir)
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    preflight.check_device(cfg, device)
+    return RunContext(cfg, store, device, dtype)
 
-    @contextmanager
-    def stage(self, name: str):
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.stages[name] = round(self.stages.get(name, 0.0) + time.time() - start, 3)
+
+def set_aside_previous(run_dir: Path) -> None:
+    """A rerun into the directory of an earlier run (a fixed hydra.run.dir in CI) must not leave that run's
+    verdict beside its own: earlier reports move to previous/<time>/, nothing is deleted."""
+    old = [run_dir / n for n in REPORT_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not old:
+        return
+    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "_")
+    dest.mkdir(parents=True)
+    for path in old:
+        shutil.move(str(path), str(dest / path.name))
+    log.info("moved the reports of an earlier run in %s to %s", run_dir, dest)
 
 
 def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[str]) -> int:
     start = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
-    timer = Timer()
+    set_aside_previous(run_dir)
     record: dict = {"argv": argv, "config": config_snapshot, "versions": versions(), "git_commit": git_commit()}
+    ctx = context(cfg)
+    record["device"] = ctx.device.describe()
+    log.info("quantlab %s kv=%s engine=%s on %s (%s, %s), cache %s", ctx.precision.name, cfg.kv_cache.dtype,
+             ctx.engine.name, ctx.device.name, ctx.device.arch, str(ctx.dtype).removeprefix("torch."), ctx.store.root)
+    steps = steps_for(ctx)
+    run = Executor(ctx, steps)
+    try:
+        return _execute(ctx, run, steps, record, run_dir, config_snapshot, argv, start)
+    finally:
+        record["stage_seconds"] = run.seconds
 
-    # ---- preflight: everything checkable before a forward pass
-    with timer.stage("preflight"):
-        preflight.check_config(cfg)
-        store = ArtifactStore(cfg.cache_dir)
-        device = resolve_device(cfg.model.device)
-        dtype = resolve_dtype(cfg.model.dtype, device)
-        preflight.check_device(cfg, device)
-    record["device"] = device.describe()
-    log.info("quantlab %s kv=%s engine=%s on %s (%s, %s), cache %s", cfg.precision.name, cfg.kv_cache.dtype,
-             cfg.engine.name, device.name, device.arch, str(dtype).removeprefix("torch."), store.root)
 
-    with timer.stage("prepare"):
-        ref = prepare.run(cfg.model, store)
-        preflight.check_lengths(cfg, ref.max_positions)
-        block = preflight.check_block_size(cfg, ref.path, ref.preferred_awq_block, ref.trust_remote_code)
-        limits = build.limits_for(cfg.engine, ref.max_positions)
-        limits.check(cfg.eval.batch_size, cfg.eval.seq_len)
-        if cfg.eval.gen_prompts and cfg.eval.gen_tokens:
-            limits.check(min(cfg.eval.gen_prompts, cfg.eval.batch_size), cfg.eval.gen_prompt_len, cfg.eval.gen_tokens)
-        tokenizer = prepare.load_tokenizer(ref)
+def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path, snapshot: dict, argv: list[str],
+             start: float) -> int:
+    cfg = ctx.cfg
+    # ---- inputs, and every check that needs them, before any compute
+    ref = run.value("prepare")
     record["model"] = ref.describe()
-    record["engine"] = {"name": cfg.engine.name, "limits": limits.describe()}
-
-    with timer.stage("data"):
-        calib = data.run(cfg.calib, "calib", ref.fingerprint, tokenizer, store)
-        evalset = data.run(cfg.eval, "eval", ref.fingerprint, tokenizer, store)
+    preflight.check_lengths(cfg, ref.max_positions)
+    limits = evaluate.limits(run)
+    limits.check(cfg.eval.batch_size, cfg.eval.seq_len)
+    if cfg.eval.gen_prompts and cfg.eval.gen_tokens:
+        limits.check(min(cfg.eval.gen_prompts, cfg.eval.batch_size), cfg.eval.gen_prompt_len, cfg.eval.gen_tokens)
+    record["engine"] = {"name": ctx.engine.name, "limits": limits.describe()}
+    calib, evalset = run.value("data:calib"), run.value("data:eval")
     record["data"] = {"calib": {"fingerprint": calib.fingerprint, **calib.info},
                       "eval": {"fingerprint": evalset.fingerprint, **evalset.info}}
     provenance = {"model_fingerprint": ref.fingerprint, "eval_fingerprint": evalset.fingerprint,
                   "calib_fingerprint": calib.fingerprint, "versions": versions(), "git_commit": git_commit(),
-                  "device": device.describe(), "dtype": str(dtype).removeprefix("torch."), "config": config_snapshot,
+                  "device": ctx.device.describe(), "dtype": str(ctx.dtype).removeprefix("torch."), "config": snapshot,
                   "argv": argv}
     if cfg.gate.baseline:
         gate.load_baseline(cfg.gate.baseline, provenance)  # refuse a mismatched baseline before any compute
-    if cfg.stop_after in ("prepare", "data"):
-        return _finish(record, run_dir, timer, store, start, EXIT_OK, f"stopped after {cfg.stop_after}")
+    if run.has("quantize"):
+        from quantlab.stages.quantize import request
 
-    # ---- quantize + export (cached; the export alone is enough for a rerun)
-    spec = spec_for(cfg.precision)
-    req = quantize.QuantizeRequest(describe(cfg.precision, cfg.kv_cache, block),
-                                   modelopt_config(cfg.precision, cfg.kv_cache, block), cfg.calib.batch_size)
-    qkey = quantize.key(store, ref, calib, req, device, dtype)
-    calib_tokens, eval_tokens = calib.num_windows * calib.seq_len, evalset.num_windows * evalset.seq_len
-    work = costs.run_work(cfg, device, ref.num_params, calib_tokens, eval_tokens)
-    ekey = export.key(store, qkey)
-    record["recipe"] = req.recipe
-    record["artifacts"] = {"prepare": {"path": str(ref.path), "fingerprint": ref.fingerprint}}
-    live: dict = {}
+        record["recipe"] = request(run).recipe  # an impossible block size fails here, before calibration
 
-    def quantized(fresh_copy: bool = False):
-        """The calibrated fake-quant model: calibrated here, or restored from the cached state."""
-        with timer.stage("quantize"):
-            qart, model = quantize.run(store, qkey, ref, calib, req, device, dtype, cfg.model.device_map,
-                                       cost=work["quantize"])
-        record["artifacts"]["quantize"] = {"path": str(qart.path), "fingerprint": qart.fingerprint, **qart.info}
-        if model is not None and not fresh_copy:
-            return model
-        return quantize.restore(qart, ref, device, dtype, cfg.model.device_map)
-
-    def checkpoint():
-        if "ckpt" not in live:
-            with timer.stage("export"):
-                ckpt = store.load("export", ekey) if not cfg.engine.checkpoint else \
-                    export.external(cfg.engine.checkpoint, spec.quant_algo, kv_quant_algo(cfg.kv_cache))
-                if ckpt is None:
-                    ckpt = export.run(store, ekey, quantized, ref, spec.quant_algo, kv_quant_algo(cfg.kv_cache),
-                                      cost=work["export"])
-                else:
-                    store.events.append(("export", ekey, "reused"))
-                    log.info("export: reusing %s (no calibration needed)", ckpt.path)
-            record["artifacts"]["export"] = {"path": str(ckpt.path), "fingerprint": ckpt.fingerprint, **ckpt.info}
-            _link(run_dir / "checkpoint", ckpt.path)
-            live["ckpt"] = ckpt
-        return live["ckpt"]
-
-    if cfg.stop_after == "quantize":
-        quantized()
-        return _finish(record, run_dir, timer, store, start, EXIT_OK, "stopped after quantize")
-    if cfg.engine.name != "reference":
-        checkpoint()
-    if cfg.stop_after == "export":
-        return _finish(record, run_dir, timer, store, start, EXIT_OK, f"exported {live['ckpt'].info['quant_algo']} checkpoint")
-
-    # ---- reference outputs (once per model x data x seq_len), then the candidate engine(s)
-    ctx = build.BuildContext(ref, device, dtype, cfg.model.device_map, lambda: quantized(fresh_copy=True), checkpoint, store)
-    with timer.stage("reference"):
-        rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, dtype)
-        ref_art = evaluate.reference(store, rkey, evalset, cfg.eval,
-                                     lambda: build.build("reference", cfg.engine, ctx, limits), cost=work["reference"])
-    record["artifacts"]["reference"] = {"path": str(ref_art.path), **ref_art.info}
-    if cfg.stop_after == "build":
-        with timer.stage(f"build:{cfg.engine.name}"):
-            build.build(cfg.engine.name, cfg.engine, ctx, limits).close()
-        return _finish(record, run_dir, timer, store, start, EXIT_OK, f"built the {cfg.engine.name} engine")
-
-    results, evaluated_now = {}, {}
-    for name in evaluate.candidate_engines(cfg):
-        with timer.stage(f"evaluate:{name}"):
-            candidate = evaluate.candidate_identity(name, cfg.engine, ref.fingerprint, qkey,
-                                                    lambda: checkpoint().fingerprint)
-            key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits.describe(), device, dtype)
-            log.info("evaluate: %s vs reference on %d windows x %d tokens", name, evalset.num_windows, evalset.seq_len)
-            results[name], evaluated_now[name] = evaluate.evaluate_cached(
-                store, key, lambda name=name: build.build(name, cfg.engine, ctx, limits), ref_art, evalset, cfg.eval,
-                tokenizer, cost=costs.run_work(cfg, device, ref.num_params, calib_tokens, eval_tokens, name)["evaluate"])
-    result = results[cfg.engine.name]
-    attribution = _attribution(results, cfg.engine.name) if len(results) > 1 else None
+    # ---- the graph's targets (each builds what it needs, once)
+    run.run(targets(steps))
+    record["artifacts"] = _artifacts(run)
+    if "export" in run.values:
+        _link(run_dir / "checkpoint", run.values["export"].path)
+    if cfg.stop_after:
+        what = f"stopped after {cfg.stop_after}"
+        if cfg.stop_after == "export":
+            what = f"exported {run.values['export'].info['quant_algo']} checkpoint"
+        return _finish(record, run_dir, run, start, EXIT_OK, what)
 
     # ---- gate + report
-    with timer.stage("gate"):
-        verdict = gate.run(cfg.gate, cfg.precision.name, result.metrics, result.windows, provenance)
-    run_info = {"precision": cfg.precision.name, "kv_cache": cfg.kv_cache.dtype, "engine": cfg.engine.name,
-                "model": ref.name, "recipe": req.recipe, "run_dir": str(run_dir),
+    results = {name: run.value(f"evaluate:{name}") for name in ctx.candidates()}
+    result = results[ctx.engine.name]
+    attribution = evaluate.attribution(results, ctx.engine.name) if len(results) > 1 else None
+    verdict = gate.run(cfg.gate, ctx.precision.name, result.metrics, result.windows, provenance)
+    ref_art = run.values["reference"]
+    run_info = {"precision": ctx.precision.name, "kv_cache": cfg.kv_cache.dtype, "engine": ctx.engine.name,
+                "model": ref.name, "recipe": record.get("recipe"), "run_dir": str(run_dir),
                 "eval": {"windows": evalset.num_windows, "seq_len": evalset.seq_len, "source": evalset.info["source"],
                          "topk": cfg.eval.topk},
                 "checkpoint": record["artifacts"].get("export"),
                 "reference_forward_batches": ref_art.info.get("forward_batches", 0)
-                if ("reference", rkey, "built") in store.events else 0,
-                "candidate_forward_batches": result.forward_batches if evaluated_now[cfg.engine.name] else 0}
-    doc = report.metrics_document(run_info, result, verdict, provenance, attribution)
-    with timer.stage("report"):
-        from quantlab.report import write_run_reports
+                if ("reference", ref_art.key, "built") in ctx.store.events else 0,
+                "candidate_forward_batches": result.forward_batches if result.computed_now else 0}
+    from quantlab.report import documents
+    from quantlab.report.render import write_run_reports
 
-        ckpt_path = live["ckpt"].path if "ckpt" in live else None
-        doc["weight_error"] = write_run_reports(run_dir, doc, result.kl_values, ckpt_path, ref.path)
-        report.write_metrics(run_dir, doc)
-        report.write_junit(run_dir, doc)
-    print(report.console_table(doc))
+    doc = documents.metrics_document(run_info, result, verdict, provenance, attribution)
+    ckpt = run.values["export"].path if "export" in run.values else None
+    doc["weight_error"] = write_run_reports(run_dir, doc, result.kl_values, ckpt, ref.path)
+    documents.write_metrics(run_dir, doc)
+    documents.write_junit(run_dir, doc)
+    print(documents.console_table(doc))
     code = EXIT_OK if verdict["passed"] else EXIT_GATE_FAILED
     m = result.metrics
-    what = (f"{cfg.precision.name} kv={cfg.kv_cache.dtype} on {ref.name}: {'PASS' if verdict['passed'] else 'FAIL'} "
+    what = (f"{ctx.precision.name} kv={cfg.kv_cache.dtype} on {ref.name}: {'PASS' if verdict['passed'] else 'FAIL'} "
             f"(top-1 {m['top1_agreement']['value']:.3f}, ppl ratio {m['ppl_ratio']['value']:.3f}, "
             f"KL {m['kl_mean']['value']:.4f})")
-    return _finish(record, run_dir, timer, store, start, code, what)
+    return _finish(record, run_dir, run, start, code, what)
 
 
-def _attribution(results: dict, engine: str) -> dict:
-    """Split the loss three ways: quantization itself (HF -> fake-quant), export (fake-quant -> fake-quant with
-    the transformations export applies), engine numerics (as exported -> the engine running the checkpoint)."""
-    chain = ["fakequant", "fakequant_exported", engine]
-    steps = {"quantization": (None, "fakequant"), "export": ("fakequant", "fakequant_exported"),
-             "engine": ("fakequant_exported", engine)}
-
-    def loss(name, metric):  # how much worse than the reference, in the metric's own units
-        value = results[name].metrics[metric]["value"]
-        return 1.0 - value if metric == "top1_agreement" else value
-
+def _artifacts(run: Executor) -> dict:
     out = {}
-    for metric in ("dnll_mean", "top1_agreement", "kl_mean"):
-        out[metric] = {name: results[name].metrics[metric]["value"] for name in chain}
-        for step, (a, b) in steps.items():
-            out[metric][step] = loss(b, metric) - (loss(a, metric) if a else 0.0)
-
-    def agree(a, b):
-        return float((results[a].argmax == results[b].argmax).mean())
-
-    return {"engine": engine, "metrics": out,
-            "engine_vs_fakequant_top1": agree(engine, "fakequant"),
-            "engine_vs_exported_top1": agree(engine, "fakequant_exported"),
-            "exported_jitter_floor_top1": agree("fakequant_exported", "fakequant_jitter"),
-            "note": "losses vs the reference (top-1 as disagreement 1 - agreement): quantization = fake-quant; "
-                    "export = fake-quant after export's re-smoothing minus fake-quant; engine = the engine minus that. "
-                    "exported_jitter_floor_top1 = the as-exported model vs itself under input noise of rounding size "
-                    "(relative max(1e-6, the compute dtype's eps)): "
-                    "the best agreement any implementation that is not bit-identical can reach on this model"}
+    for name in ("prepare", "quantize", "export", "reference"):
+        if name not in run.values:
+            continue
+        value, art = run.values[name], run.artifacts.get(name)
+        entry = {"path": str(getattr(art, "path", None) or value.path), "fingerprint": run.fingerprint(name)}
+        entry.update(art.info if art is not None else getattr(value, "info", {}) or {})
+        out[name] = entry
+    return out
 
 
 def _link(link: Path, target: Path) -> None:
@@ -212,9 +154,9 @@ def _link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def _finish(record: dict, run_dir: Path, timer: Timer, store: ArtifactStore, start: float, code: int, what: str) -> int:
-    record["stage_seconds"] = timer.stages
-    record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in store.events]
+def _finish(record: dict, run_dir: Path, run: Executor, start: float, code: int, what: str) -> int:
+    record["stage_seconds"] = run.seconds
+    record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
     record["wall_time_s"] = round(time.time() - start, 2)
     record["exit_code"] = code
     write_json_atomic(run_dir / "run.json", record)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from quantlab import costs
 from quantlab.artifacts import ArtifactStore
 from quantlab.errors import EXIT_BAD_INPUT, EXIT_OK, QuantlabError
+from quantlab.graph import Priced
+from quantlab.step import Pending
 
 log = logging.getLogger("quantlab")
 
@@ -24,18 +25,9 @@ COLUMNS = ("prepare", "data:calib", "data:eval", "quantize", "export", "referenc
 
 
 @dataclass
-class Step:
-    stage: str  # one of COLUMNS; several "evaluate" steps when attribution adds fake-quant variants
-    key: str
-    status: str  # cached | build | shared (built by an earlier run of this sweep) | local | external | not needed
-    estimate: costs.Estimate | None = None
-    placeholder: bool = False  # an input is not built yet, so the real key is not known before the run
-
-
-@dataclass
 class RunPlan:
     label: str
-    steps: list[Step] = field(default_factory=list)
+    steps: list[Priced] = field(default_factory=list)
     error: str | None = None
 
     def seconds(self) -> float:
@@ -64,114 +56,33 @@ def _labels(jobs: list[list[str]]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- one run
-def plan_run(cfg, label: str, store: ArtifactStore, history: list[dict], seen: set, chars_per_token: float) -> RunPlan:
+def plan_run(cfg, label: str, history: list[dict], seen: set) -> RunPlan:
+    """Price the run's steps (quantlab.graph) exactly as the pipeline would execute them."""
     from quantlab import preflight
-    from quantlab.env import resolve_device, resolve_dtype
-    from quantlab.precisions import describe, effective_block_size, kv_quant_algo, spec_for
-    from quantlab.stages import build, data, evaluate, export, prepare, quantize
+    from quantlab.graph import Pricer, steps_for, targets
+    from quantlab.pipeline import context
 
-    plan = RunPlan(label)
-    device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    preflight.check_config(cfg)
-    preflight.check_device(cfg, device)
-
-    pending: set[str] = set()  # keys computed from fingerprints of artifacts not built yet
-
-    def add(stage: str, key: str, cached: bool, want: dict | None, status: str | None = None, inputs=()):
-        placeholder = any(str(i).startswith("pending:") or i in pending for i in inputs)
-        if placeholder:
-            pending.add(key)
-        if status is None:
-            status = "cached" if cached else ("shared" if (stage, key) in seen else "build")
-        seen.add((stage, key))
-        est = None
-        if status == "build" and want is not None:
-            est = costs.estimate(history, stage.split(":")[0], want)
-        plan.steps.append(Step(stage, key, status, est, placeholder))
-        return status
-
-    def found(stage: str, key: str):
-        return store.load(stage, key, verify=False)
-
-    # prepare
-    pkey, ref = prepare.lookup(cfg.model, store)
-    if cfg.model.path:
-        add("prepare", pkey, True, None, status="local")
-    else:
-        add("prepare", pkey, ref is not None, costs.work("cpu", cfg.model.embedded.file))
-    model_fp = ref.fingerprint if ref else f"pending:{pkey}"
-    params = ref.num_params if ref else None
-    if ref is not None:
+    ctx = context(cfg)
+    steps = steps_for(ctx)
+    pricer = Pricer(ctx, steps, history, seen)
+    try:
+        ref = pricer.value("prepare")
         preflight.check_lengths(cfg, ref.max_positions)
+        if pricer.has("quantize"):
+            from quantlab.stages.quantize import request
 
-    # data
-    fps, tokens = {}, {}
-    for role, dcfg in (("calib", cfg.calib), ("eval", cfg.eval)):
-        ident = data.key(dcfg, role, model_fp, store)
-        text = ident.text
-        art = found("data", ident.key)
-        add(f"data:{role}", ident.key, art is not None, costs.work("cpu", role, size=len(text)), inputs=[model_fp])
-        fps[role] = art.fingerprint if art else f"pending:{ident.key}"
-        if art is not None:
-            windows = art.info["windows"]
-        elif role == "calib":
-            windows = dcfg.num_samples
-        else:
-            full = int(len(text) / chars_per_token) // dcfg.seq_len
-            windows = min(full, dcfg.max_windows or full)
-        tokens[role] = windows * dcfg.seq_len
-    if cfg.stop_after in ("prepare", "data"):
-        return plan
-    work = costs.run_work(cfg, device, params, tokens["calib"], tokens["eval"])
+            request(pricer)  # an impossible block size is this run's error
+    except Pending:
+        pass
+    return RunPlan(label, pricer.price(targets(steps)))
 
-    # quantize, export
-    if ref is not None:
-        block = preflight.check_block_size(cfg, ref.path, ref.preferred_awq_block, ref.trust_remote_code)
-    else:
-        block = effective_block_size(cfg.precision, cfg.model.embedded.awq_block_size if cfg.model.embedded else None)
-    recipe = describe(cfg.precision, cfg.kv_cache, block)
-    qkey = quantize.key(store, SimpleNamespace(fingerprint=model_fp), SimpleNamespace(fingerprint=fps["calib"]),
-                        SimpleNamespace(recipe=recipe, batch_size=cfg.calib.batch_size), device, dtype)
-    q_art = found("quantize", qkey)
-    engines = evaluate.candidate_engines(cfg)
-    ckpt_fp = ekey = export_status = None  # export_status: None = to build (or not needed), cached, external
-    if cfg.engine.name != "reference" and cfg.stop_after != "quantize":
-        if cfg.engine.checkpoint:
-            ekey, export_status = cfg.engine.checkpoint, "external"
-            ckpt_fp = export.external(ekey, spec_for(cfg.precision).quant_algo, kv_quant_algo(cfg.kv_cache)).fingerprint
-        else:
-            ekey = export.key(store, qkey)
-            e_art = found("export", ekey)
-            ckpt_fp = e_art.fingerprint if e_art else f"pending:{ekey}"
-            export_status = "cached" if e_art else None
-    needs_model = cfg.stop_after == "quantize" or export_status is None and cfg.engine.name != "reference" \
-        or any(name.startswith("fakequant") for name in engines)
-    add("quantize", qkey, q_art is not None, work["quantize"], status=None if needs_model or q_art else "not needed",
-        inputs=[model_fp, fps["calib"]])
-    if ekey is not None:
-        add("export", ekey, export_status == "cached", work["export"],
-            status="external" if export_status == "external" else None, inputs=[qkey])
-    if cfg.stop_after in ("quantize", "export"):
-        return plan
 
-    # reference, candidates
-    eval_ns = SimpleNamespace(fingerprint=fps["eval"])
-    rkey = evaluate.reference_key(store, model_fp, eval_ns, cfg.eval, device, dtype)
-    add("reference", rkey, found("reference", rkey) is not None, work["reference"], inputs=[model_fp, fps["eval"]])
-    if cfg.stop_after == "build":
-        return plan
-    limits = build.limits_for(cfg.engine, ref.max_positions if ref else None).describe()
-    for name in engines:
-        candidate = evaluate.candidate_identity(name, cfg.engine, model_fp, qkey, lambda: ckpt_fp)
-        key = evaluate.evaluation_key(store, name, candidate, rkey, cfg.eval, limits, device, dtype)
-        want = costs.run_work(cfg, device, params, tokens["calib"], tokens["eval"], name)["evaluate"]
-        add("evaluate", key, found("evaluate", key) is not None, want, inputs=[candidate, rkey])
-    return plan
+def _column(step: Priced) -> str:
+    return step.name if step.name in COLUMNS else step.stage
 
 
 # ------------------------------------------------------------------------------------------- output
-def _cell(steps: list[Step]) -> str:
+def _cell(steps: list[Priced]) -> str:
     if not steps:
         return "-"
     if len(steps) > 1:  # attribution: several evaluations
@@ -202,7 +113,7 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
         if p.error:
             rows.append([p.label, f"error: {p.error}"])
             continue
-        cells = [_cell([s for s in p.steps if s.stage == c]) for c in COLUMNS]
+        cells = [_cell([s for s in p.steps if _column(s) == c]) for c in COLUMNS]
         unknown = any(s.status == "build" and not (s.estimate and s.estimate.known) for s in p.steps)
         todo = any(s.status == "build" for s in p.steps)
         total = ("~" + _fmt(p.seconds()) + (" + ?" if unknown else "")) if todo and p.seconds() else ("?" if todo else "0s")
@@ -239,13 +150,14 @@ def make_plan(args: list[str]) -> tuple[list[RunPlan], str, ArtifactStore]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from quantlab.config import conf_dir, register_configs
+    from quantlab.compose import normalize, register_configs
+    from quantlab.config import conf_dir
     from quantlab.env import resolve_device
 
     register_configs()
-    jobs = expand(args)
+    jobs = expand(normalize(args))
     labels = _labels(jobs)
-    plans, seen, store, history = [], set(), None, None
+    plans, seen, store, history = [], set(), None, []
     device_label = ""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         for job, label in zip(jobs, labels):
@@ -253,13 +165,9 @@ def make_plan(args: list[str]) -> tuple[list[RunPlan], str, ArtifactStore]:
                 cfg = OmegaConf.to_object(compose(config_name="config", overrides=job))
                 if store is None:
                     store = ArtifactStore(cfg.cache_dir)
-                    entries = store.entries()
-                    history = [a.manifest["cost"] for a in entries if isinstance(a.manifest.get("cost"), dict)]
-                    ratios = [a.info["text_chars"] / a.info["total_tokens"] for a in entries
-                              if a.stage == "data" and a.info.get("total_tokens")]
-                    chars_per_token = sorted(ratios)[len(ratios) // 2] if ratios else 4.0
+                    history = [a.manifest["cost"] for a in store.entries() if isinstance(a.manifest.get("cost"), dict)]
                     device_label = costs.device_label(resolve_device(cfg.model.device))
-                plans.append(plan_run(cfg, label, store, history, seen, chars_per_token))
+                plans.append(plan_run(cfg, label, history, seen))
             except QuantlabError as exc:
                 plans.append(RunPlan(label, error=str(exc).splitlines()[0]))
     if store is None:

@@ -1,77 +1,187 @@
-"""Precision registry: config type -> how ModelOpt quantizes it and what the export must say.
+"""Precision registry: each precision's config schema beside the facts about it (ModelOpt preset, the quant_algo its
+export carries, the GPU its GEMMs need, how its weights are counted in bits).
 
-One entry per precision; stages look the entry up by the config's type instead of branching on names.
+Adding a precision is one schema + one `PRECISIONS.add(...)` here and one YAML in conf/precision/ (plus one class in
+engines/qlayers.py if engine=torch should run it). Stages look the entry up by the config's type, never by name.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
 
-from quantlab.config import (Fp8Config, Int4AwqConfig, Int8SqConfig, KvCacheConfig, Nvfp4Config, PrecisionConfig,
-                             W4A8AwqConfig)
+from quantlab.config import KvCacheConfig, PrecisionConfig
 from quantlab.errors import QuantlabError
+from quantlab.registry import Registry
+
+BLOCK_CHOICES = (128, 64, 32)  # block_size=auto: the largest of these dividing every quantized input width
 
 
+# ---------------------------------------------------------------------------------------------- schemas
+@dataclass
+class Fp8Config(PrecisionConfig):
+    """W8A8 FP8 E4M3, per-tensor static scales (Hopper / Ada or newer for real FP8 GEMMs)."""
+
+
+@dataclass
+class Int8SqConfig(PrecisionConfig):
+    """W8A8 INT8 SmoothQuant: per-channel weights, per-tensor static activations."""
+
+    alpha: Optional[float] = None  # SmoothQuant migration strength; null = ModelOpt's default (0.5)
+
+
+@dataclass
+class Int4AwqConfig(PrecisionConfig):
+    """W4A16 AWQ with group-wise int4 weights."""
+
+    block_size: str = "auto"  # auto = the largest of 128 / 64 / 32 dividing every quantized input width
+
+
+@dataclass
+class W4A8AwqConfig(Int4AwqConfig):
+    """W4A8 AWQ: int4 weights, FP8 activations (Ada / Hopper or newer)."""
+
+
+@dataclass
+class Nvfp4Config(PrecisionConfig):
+    """NVFP4 W4A4: E2M1 values in blocks of 16 with FP8 block scales and a per-tensor scale (Blackwell or newer)."""
+
+
+# ---------------------------------------------------------------------------------------------- entries
 @dataclass(frozen=True)
-class PrecisionSpec:
-    modelopt_cfg: str  # name of the ModelOpt preset in modelopt.torch.quantization
-    quant_algo: str  # hf_quant_config.json "quant_algo" the export must carry
+class Precision:
+    """What a precision is. `weight_bits` and `scale_bits_per_weight` give its effective bits per weight (the
+    search's cost): the stored value width plus its scales spread over the weights they cover."""
+
+    name: str
+    schema: type
+    modelopt_cfg: str  # ModelOpt preset in modelopt.torch.quantization
+    quant_algo: str  # hf_quant_config.json quant_algo its export carries
     min_capability: tuple[int, int] | None  # CUDA compute capability its GEMMs need (None: any)
     gpu_generation: str
+    weight_bits: int
     blockwise: bool = False  # int4 weights in groups of block_size along the input dimension
+    fixed_block: int | None = None  # a block size the format fixes (NVFP4: 16)
+    scale_bits: int = 0  # bits of one weight scale (per tensor, per channel or per block)
+    adjust: Callable[[dict, Any], None] | None = field(default=None, compare=False)  # edit the ModelOpt config
 
 
-REGISTRY: dict[type, PrecisionSpec] = {
-    Fp8Config: PrecisionSpec("FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer"),
-    Int8SqConfig: PrecisionSpec("INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", None, "any"),
-    Int4AwqConfig: PrecisionSpec("INT4_AWQ_CFG", "W4A16_AWQ", None, "any", blockwise=True),
-    W4A8AwqConfig: PrecisionSpec("W4A8_AWQ_BETA_CFG", "W4A8_AWQ", (8, 9), "Ada / Hopper or newer", blockwise=True),
-    Nvfp4Config: PrecisionSpec("NVFP4_DEFAULT_CFG", "NVFP4", (10, 0), "Blackwell or newer"),
-}
-
-KV_CACHE = {"none": None, "fp8": ("FP8_KV_CFG", "FP8")}
-DEFAULT_AWQ_BLOCK = 128
+def _smoothquant_alpha(cfg: dict, precision: Int8SqConfig) -> None:
+    if precision.alpha is not None:
+        cfg["algorithm"] = {"method": "smoothquant", "alpha": float(precision.alpha)}
 
 
-def spec_for(precision: PrecisionConfig) -> PrecisionSpec:
-    return REGISTRY[type(precision)]
+PRECISIONS: Registry[Precision] = Registry("precision", "+precision=NAME")
+PRECISIONS.add("fp8", Precision("fp8", Fp8Config, "FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer", 8))
+PRECISIONS.add("int8_sq", Precision("int8_sq", Int8SqConfig, "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", None,
+                                    "any", 8, scale_bits=32, adjust=_smoothquant_alpha))
+PRECISIONS.add("int4_awq", Precision("int4_awq", Int4AwqConfig, "INT4_AWQ_CFG", "W4A16_AWQ", None, "any", 4,
+                                     blockwise=True, scale_bits=16))
+PRECISIONS.add("w4a8_awq", Precision("w4a8_awq", W4A8AwqConfig, "W4A8_AWQ_BETA_CFG", "W4A8_AWQ", (8, 9),
+                                     "Ada / Hopper or newer", 4, blockwise=True, scale_bits=16))
+PRECISIONS.add("nvfp4", Precision("nvfp4", Nvfp4Config, "NVFP4_DEFAULT_CFG", "NVFP4", (10, 0), "Blackwell or newer",
+                                  4, fixed_block=16, scale_bits=8))
+
+PRECISION_SCHEMAS: dict[str, type] = {name: p.schema for name, p in PRECISIONS.items()}
 
 
-def kv_quant_algo(kv: KvCacheConfig) -> str | None:
-    if kv.dtype not in KV_CACHE:
-        raise QuantlabError(f"kv_cache.dtype={kv.dtype!r} is not supported", fix=f"use one of {sorted(KV_CACHE)}")
-    entry = KV_CACHE[kv.dtype]
-    return entry and entry[1]
+def precision_of(cfg: PrecisionConfig) -> Precision:
+    """The registry entry of a precision config, found by its type (exact type: subclasses are entries too)."""
+    entry = PRECISIONS.find(lambda p: p.schema is type(cfg))
+    if entry is None:
+        raise QuantlabError(f"{type(cfg).__name__} is not a registered precision",
+                            fix=f"choose +precision= one of {', '.join(PRECISIONS)}")
+    return entry
 
 
-def effective_block_size(precision: PrecisionConfig, preferred: int | None) -> int | None:
-    if not spec_for(precision).blockwise:
+def precision_by_algo(quant_algo: str) -> Precision | None:
+    return PRECISIONS.find(lambda p: p.quant_algo == quant_algo)
+
+
+# --------------------------------------------------------------------------------------------- KV cache
+@dataclass(frozen=True)
+class KvFormat:
+    name: str
+    modelopt_cfg: str | None
+    quant_algo: str | None  # hf_quant_config.json kv_cache_quant_algo
+    min_capability: tuple[int, int] | None
+    bits: int
+
+
+KV_FORMATS: Registry[KvFormat] = Registry("kv cache format", "kv_cache=NAME")
+KV_FORMATS.add("none", KvFormat("none", None, None, None, 16))
+KV_FORMATS.add("fp8", KvFormat("fp8", "FP8_KV_CFG", "FP8", (8, 9), 8))
+
+
+def kv_format(kv: KvCacheConfig) -> KvFormat:
+    return KV_FORMATS.get(kv.dtype)
+
+
+# ----------------------------------------------------------------------------------------- block sizes
+def parse_block_size(precision: PrecisionConfig) -> int | None:
+    """The explicit block size of a blockwise precision, None for auto (or a format without one)."""
+    raw = getattr(precision, "block_size", None)
+    if raw is None or str(raw) == "auto":
         return None
-    return precision.block_size or preferred or DEFAULT_AWQ_BLOCK
+    text = str(raw).strip()
+    if not text.isdigit() or int(text) <= 0:
+        raise QuantlabError(f"precision.block_size={raw!r} is neither auto nor a positive integer",
+                            fix="use precision.block_size=auto (the default) or e.g. 64")
+    return int(text)
 
 
+def resolve_block_size(precision: PrecisionConfig, in_dims: dict[str, int]) -> tuple[int | None, str]:
+    """(block size, how it was chosen) for a precision on a model whose quantized Linears have these input widths
+    (short layer name -> width). Explicit sizes must divide every width (exit 2 with the sizes that would)."""
+    entry = precision_of(precision)
+    if entry.fixed_block:
+        return entry.fixed_block, f"fixed by {entry.name}"
+    if not entry.blockwise:
+        return None, "not blockwise"
+    fitting = [b for b in BLOCK_CHOICES if all(d % b == 0 for d in in_dims.values())]
+    explicit = parse_block_size(precision)
+    if explicit is None:
+        if not fitting:
+            where = ", ".join(f"{n} in={d}" for n, d in sorted(in_dims.items()))
+            raise QuantlabError(f"no AWQ block size of {', '.join(map(str, BLOCK_CHOICES))} divides every quantized "
+                                f"input width ({where})", fix="set precision.block_size to a divisor of every width")
+        return fitting[0], f"auto: the largest of {'/'.join(map(str, BLOCK_CHOICES))} dividing every quantized input width"
+    bad = {n: d for n, d in in_dims.items() if d % explicit}
+    if bad:
+        where = ", ".join(f"{n} in={d}" for n, d in sorted(bad.items()))
+        fix = (f"use precision.block_size={fitting[0]} (or auto)" if fitting
+               else "use precision.block_size=auto or a divisor of every width")
+        raise QuantlabError(f"AWQ block size {explicit} does not divide the input dimension of quantized layers ({where})",
+                            fix=fix)
+    return explicit, "explicit"
+
+
+# ------------------------------------------------------------------------------------------ ModelOpt
 def describe(precision: PrecisionConfig, kv: KvCacheConfig, block_size: int | None) -> dict:
     """What identifies the quantization recipe (part of every downstream cache key)."""
-    from dataclasses import asdict
-
-    return {"precision": asdict(precision), "kv_cache": kv.dtype, "block_size": block_size}
+    fields = asdict(precision)
+    if "block_size" in fields:  # the request as earlier versions keyed it: null for auto
+        fields["block_size"] = parse_block_size(precision)
+    return {"precision": {"name": precision_of(precision).name, **fields}, "kv_cache": kv.dtype,
+            "block_size": block_size}
 
 
 def modelopt_config(precision: PrecisionConfig, kv: KvCacheConfig, block_size: int | None) -> dict:
+    """The ModelOpt quantize config: the preset, its block size set, the KV cache entries appended."""
     import modelopt.torch.quantization as mtq
 
-    spec = spec_for(precision)
-    cfg = copy.deepcopy(getattr(mtq, spec.modelopt_cfg))
-    if spec.blockwise:
-        for entry in cfg["quant_cfg"]:
-            if entry.get("quantizer_name") == "*weight_quantizer":
-                sub = entry["cfg"]
+    entry = precision_of(precision)
+    cfg = copy.deepcopy(getattr(mtq, entry.modelopt_cfg))
+    if entry.blockwise:
+        for item in cfg["quant_cfg"]:
+            if item.get("quantizer_name") == "*weight_quantizer":
+                sub = item["cfg"]
                 for one in (sub if isinstance(sub, list) else [sub]):
                     if one.get("block_sizes"):
                         one["block_sizes"][-1] = block_size
-    if isinstance(precision, Int8SqConfig) and precision.alpha is not None:
-        cfg["algorithm"] = {"method": "smoothquant", "alpha": float(precision.alpha)}
-    kv_entry = KV_CACHE[kv.dtype]
-    if kv_entry:
-        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + copy.deepcopy(getattr(mtq, kv_entry[0])["quant_cfg"])
+    if entry.adjust is not None:
+        entry.adjust(cfg, precision)
+    kv_entry = kv_format(kv)
+    if kv_entry.modelopt_cfg:
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + copy.deepcopy(getattr(mtq, kv_entry.modelopt_cfg)["quant_cfg"])
     return cfg

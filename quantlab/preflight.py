@@ -1,34 +1,58 @@
-"""Checks that reject impossible requests before any model forward pass, each naming the fix."""
+"""Checks that reject impossible requests before any model forward pass, each naming the fix. They ask the
+registries (precisions, engines, metrics) instead of knowing the modes themselves."""
 from __future__ import annotations
 
-from quantlab.config import DEVICE_MAPS, Config
+import dataclasses
+
+from quantlab.config import DEVICE_MAPS, STAGES, Config
+from quantlab.engines.registry import engine_of
 from quantlab.env import Device
 from quantlab.errors import QuantlabError
-from quantlab.precisions import REGISTRY, effective_block_size, kv_quant_algo, spec_for
+from quantlab.precisions import kv_format, parse_block_size, precision_of
 
-ENGINES = ("torch", "fakequant", "trtllm", "reference")
+
+def _walk(node, prefix: str = ""):
+    """(dotted key, value) of every leaf of a config dataclass, dicts included."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _walk(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], node
+
+
+def check_no_empty_values(cfg: Config) -> None:
+    """`model.path=` (an unset shell variable) must not mean "use the default": an explicitly empty string is an
+    error wherever a value is expected. Null (no value) stays the documented default where a key allows it."""
+    for key, value in _walk(cfg):
+        if isinstance(value, str) and not value.strip():
+            raise QuantlabError(f"{key} is empty (was a shell variable unset?)",
+                                fix=f"give {key} a value, or leave the key out to use its default")
 
 
 def check_config(cfg: Config) -> None:
     """Pure config checks: no files, no models."""
     if cfg.precision is None:
-        names = ", ".join(s.__name__ for s in REGISTRY)
-        raise QuantlabError(f"no precision chosen ({names})",
-                            fix="add +precision=fp8 (or int8_sq, int4_awq, w4a8_awq, nvfp4) to the command")
+        raise QuantlabError("no precision chosen", fix="add +precision=fp8 (or int8_sq, int4_awq, w4a8_awq, nvfp4)")
+    check_no_empty_values(cfg)
+    precision = precision_of(cfg.precision)
     positive = {
         "calib.num_samples": cfg.calib.num_samples, "calib.seq_len": cfg.calib.seq_len,
         "calib.batch_size": cfg.calib.batch_size, "eval.seq_len": cfg.eval.seq_len,
         "eval.batch_size": cfg.eval.batch_size, "eval.topk": cfg.eval.topk,
-        "engine.max_batch_size": cfg.engine.max_batch_size, "engine.tensor_parallel_size": cfg.engine.tensor_parallel_size,
+        "engine.max_batch_size": cfg.engine.max_batch_size,
     }
+    for knob in ("max_input_len", "max_seq_len", "tensor_parallel_size"):
+        if getattr(cfg.engine, knob, None) is not None:
+            positive[f"engine.{knob}"] = getattr(cfg.engine, knob)
     if cfg.eval.max_windows is not None:
         positive["eval.max_windows"] = cfg.eval.max_windows
-    block = getattr(cfg.precision, "block_size", None)
-    if block is not None:
-        positive["precision.block_size"] = block
     for knob, value in positive.items():
         if value <= 0:
             raise QuantlabError(f"{knob}={value} must be a positive number", fix=f"set {knob} to 1 or more")
+    parse_block_size(cfg.precision)
     if cfg.model.device_map is not None and cfg.model.device_map not in DEVICE_MAPS:
         raise QuantlabError(f"model.device_map={cfg.model.device_map!r} is not supported",
                             fix=f"use one of {', '.join(DEVICE_MAPS)} (or model.device=cuda:N for one device)")
@@ -41,76 +65,45 @@ def check_config(cfg: Config) -> None:
         if data.prefix_token and data.seq_len < 2:
             raise QuantlabError(f"{knob}.seq_len={data.seq_len} leaves no room for text after the prefix token",
                                 fix=f"set {knob}.seq_len to 2 or more")
-    for knob in ("eval.gen_prompts", "eval.gen_prompt_len", "eval.gen_tokens"):
-        if getattr(cfg.eval, knob.split(".")[1]) < 0:
-            raise QuantlabError(f"{knob} must be 0 or more")
+    for knob in ("gen_prompts", "gen_prompt_len", "gen_tokens"):
+        if getattr(cfg.eval, knob) < 0:
+            raise QuantlabError(f"eval.{knob} must be 0 or more", fix=f"set eval.{knob} to 0 (off) or more")
+    if cfg.eval.gen_prompts and cfg.eval.gen_tokens and cfg.eval.gen_prompt_len < 1:
+        raise QuantlabError("eval.gen_prompt_len=0: a greedy continuation needs a prompt of 1 token or more",
+                            fix="set eval.gen_prompt_len to 1 or more, or eval.gen_prompts=0 to turn generation off")
     if cfg.eval.gen_prompts and cfg.eval.gen_prompt_len >= cfg.eval.seq_len:
-        raise QuantlabError(f"eval.gen_prompt_len={cfg.eval.gen_prompt_len} must be shorter than eval.seq_len={cfg.eval.seq_len}")
-    kv_quant_algo(cfg.kv_cache)
-    from quantlab.engines.torch_engine import SUPPORTED
-    from quantlab.engines.trtllm import check_available
-
-    if cfg.engine.name == "trtllm":
-        check_available()
-
-    if cfg.engine.name == "torch" and spec_for(cfg.precision).quant_algo not in SUPPORTED:
-        raise QuantlabError(f"engine=torch runs fp8, int8_sq and int4_awq; {cfg.precision.name} is not one of them",
+        raise QuantlabError(f"eval.gen_prompt_len={cfg.eval.gen_prompt_len} must be shorter than "
+                            f"eval.seq_len={cfg.eval.seq_len}", fix="lower eval.gen_prompt_len")
+    kv_format(cfg.kv_cache)
+    engine = engine_of(cfg.engine)
+    why_not = engine.available()
+    if why_not:
+        problem, _, fix = why_not.partition("\n  fix: ")
+        raise QuantlabError(problem, fix=fix or None)
+    if engine.runs == "checkpoint" and not engine.supports(precision.quant_algo):
+        raise QuantlabError(f"engine={engine.name} does not run {precision.name} ({precision.quant_algo}) checkpoints",
                             fix="use engine=fakequant (ModelOpt simulation) or engine=trtllm on a supported GPU")
-    if cfg.engine.name not in ENGINES:
-        from difflib import get_close_matches
+    if hasattr(cfg.engine, "trtllm_backend"):
+        from quantlab.engines.trtllm import check_backend
 
-        close = get_close_matches(cfg.engine.name, ENGINES, n=1)
-        raise QuantlabError(f"engine {cfg.engine.name!r} is unknown" + (f"; did you mean {close[0]!r}?" if close else ""),
-                            fix=f"use engine={'|'.join(ENGINES)}")
-    from quantlab.stages.gate import thresholds_for
+        check_backend(cfg.engine)
+    from quantlab.stages.gate import check_gate
 
-    thresholds_for(cfg.gate, cfg.precision.name)  # a typo in a gate fails now, not after the evaluation
-    if cfg.stop_after not in (None, "prepare", "data", "quantize", "export", "build", "evaluate"):
-        raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage",
-                            fix="use one of prepare, data, quantize, export, build, evaluate")
+    check_gate(cfg.gate, precision.name)  # a typo in a gate fails now, not after the evaluation
+    if cfg.stop_after is not None and cfg.stop_after not in STAGES:
+        raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
 
 
 def check_device(cfg: Config, device: Device) -> None:
-    spec = spec_for(cfg.precision)
-    needs = [spec.min_capability] if spec.min_capability else []
-    if cfg.kv_cache.dtype == "fp8":
-        needs.append((8, 9))
+    precision, kv = precision_of(cfg.precision), kv_format(cfg.kv_cache)
+    needs = [c for c in (precision.min_capability, kv.min_capability) if c]
     if device.type == "cuda" and needs and device.capability < max(needs):
         need = max(needs)
+        kv_note = f" + {kv.name} kv cache" if kv.min_capability else ""
         raise QuantlabError(
-            f"{cfg.precision.name}{' + fp8 kv cache' if cfg.kv_cache.dtype == 'fp8' else ''} needs compute capability "
-            f">= {need[0]}.{need[1]} ({spec.gpu_generation}); {device.name} has {device.capability[0]}.{device.capability[1]}",
+            f"{precision.name}{kv_note} needs compute capability >= {need[0]}.{need[1]} ({precision.gpu_generation}); "
+            f"{device.name} has {device.capability[0]}.{device.capability[1]}",
             fix="use int8_sq or int4_awq with kv_cache=none on this GPU, or run on a newer GPU")
-
-
-def quantized_linear_in_dims(model_path, trust_remote_code: bool = False) -> dict[str, int]:
-    """Input dimension of every Linear that gets quantized (lm_head stays in high precision)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-    dims = {}
-    for name, module in skeleton.named_modules():
-        if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-            short = name.split(".")[-1]
-            dims.setdefault(short, module.in_features)
-    return dims
-
-
-def check_block_size(cfg: Config, model_path, preferred: int | None, trust_remote_code: bool = False) -> int | None:
-    block = effective_block_size(cfg.precision, preferred)
-    if block is None:
-        return None
-    dims = quantized_linear_in_dims(model_path, trust_remote_code)
-    bad = {name: d for name, d in dims.items() if d % block}
-    if bad:
-        candidates = [b for b in (128, 64, 32, 16, 8) if all(d % b == 0 for d in dims.values())]
-        where = ", ".join(f"{n} in={d}" for n, d in sorted(bad.items()))
-        fix = f"use precision.block_size={candidates[0]}" if candidates else "this model's dimensions admit no AWQ block size"
-        raise QuantlabError(f"AWQ block size {block} does not divide the input dimension of quantized layers ({where})", fix=fix)
-    return block
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from quantlab.report.summary import find_runs, write_summary
+from quantlab.report.sweep import find_runs, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:

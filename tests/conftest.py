@@ -110,23 +110,16 @@ def shared_cache(tmp_path_factory) -> Path:
 
 def compose(overrides: list[str]):
     """The typed Config exactly as the CLI would build it (Hydra compose API, in-process)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+    from quantlab.compose import compose as quantlab_compose
 
-    from quantlab.config import conf_dir, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        dict_cfg = hydra_compose("config", overrides=overrides)
-    return OmegaConf.to_object(dict_cfg), OmegaConf.to_container(dict_cfg, resolve=False)
+    return quantlab_compose(overrides)
 
 
 def run_api(overrides: list[str], run_dir: Path) -> int:
-    from quantlab.pipeline import run_pipeline
+    """One run through the Python entry point; its exit code."""
+    from quantlab import api
 
-    cfg, snapshot = compose(overrides)
-    return run_pipeline(cfg, run_dir, snapshot, overrides)
+    return api.run(overrides, run_dir).exit_code
 
 
 def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int = 600, env_extra: dict | None = None):

@@ -126,7 +126,7 @@ def test_default_model_end_to_end(tmp_path):
     assert res.returncode in (0, 1), res.stderr[-3000:]
     run = next((tmp_path / "outputs").iterdir())
     doc = read_json(run / "metrics.json")
-    assert doc["run"]["model"] == "smollm2_135m"
+    assert doc["run"]["model"] == "smollm2-135m-instruct"
     assert 0.5 < doc["metrics"]["top1_agreement"]["value"] <= 1.0
     assert doc["gate"]["passed"] == (res.returncode == 0)
 

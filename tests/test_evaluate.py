@@ -11,6 +11,7 @@ from quantlab.artifacts import ArtifactStore
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
 from quantlab.env import resolve_device
+from quantlab.models import load_model, load_tokenizer
 from quantlab.stages import data, evaluate, gate, prepare
 
 
@@ -18,8 +19,8 @@ def _setup(tiny_llama, cache, extra=()):
     cfg, _ = compose(["+precision=fp8", f"model.path={tiny_llama}", *FAST, *extra])
     store = ArtifactStore(cache)
     ref = prepare.run(cfg.model, store)
-    tok = prepare.load_tokenizer(ref)
-    evalset = data.run(cfg.eval, "eval", ref.fingerprint, tok, store)
+    tok = load_tokenizer(ref)
+    evalset = data.run(cfg.eval, data.EVAL, ref.fingerprint, tok, store)
     return cfg, store, ref, tok, evalset
 
 
@@ -29,9 +30,10 @@ def _engine(model):
 
 def _reference_outputs(cfg, store, ref, evalset):
     device = resolve_device("cpu")
-    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg.eval, device, torch.float32)
-    return evaluate.reference(store, rkey, evalset, cfg.eval,
-                              lambda: _engine(prepare.load_model(ref, device, torch.float32)))
+    rkey = evaluate.reference_key(store, ref.fingerprint, evalset.fingerprint, cfg.eval, device, torch.float32)
+    art, _ = store.get_or_build("reference", rkey, lambda out: evaluate.write_reference(
+        out, _engine(load_model(ref, device, torch.float32)), evalset, cfg.eval), {})
+    return art
 
 
 def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, shared_cache):
@@ -49,7 +51,7 @@ def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, sh
 def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
     ref_art = _reference_outputs(cfg, store, ref, evalset)
-    model = prepare.load_model(ref, resolve_device("cpu"), torch.float32)
+    model = load_model(ref, resolve_device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,7 +70,7 @@ def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
 
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
     ref_art = _reference_outputs(cfg, store, ref, evalset)
-    result = evaluate.compare(_engine(prepare.load_model(ref, resolve_device("cpu"), torch.float32)), ref_art, evalset,
+    result = evaluate.compare(_engine(load_model(ref, resolve_device("cpu"), torch.float32)), ref_art, evalset,
                               cfg.eval, tok)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     losses = []
@@ -84,7 +86,7 @@ def test_prefix_token_windows_score_every_text_token(tiny_llama, tmp_path):
     """eval.prefix_token=eos: each window is EOS + seq_len - 1 consecutive text tokens (lm-eval's convention),
     so every text token is scored, the first one of each window given only the prefix."""
     cfg, store, ref, tok, evalset = _setup(tiny_llama, tmp_path / "cache", ["eval.prefix_token=eos"])
-    text, _ = data.read_text(cfg.eval, "eval")
+    text, _ = data.read_text(cfg.eval, data.EVAL)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     width = cfg.eval.seq_len - 1
     assert evalset.seq_len == cfg.eval.seq_len

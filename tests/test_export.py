@@ -81,13 +81,14 @@ def test_calibration_without_logits_is_the_same_calibration(precision, tiny_llam
 
     from quantlab.artifacts import ArtifactStore
     from quantlab.env import resolve_device
+    from quantlab.models import load_tokenizer
     from quantlab.precisions import describe, modelopt_config
     from quantlab.stages import data, prepare, quantize
 
     cfg, _ = compose([f"+precision={precision}", f"model.path={tiny_llama}", *FAST])
     store = ArtifactStore(tmp_path)
     ref = prepare.run(cfg.model, store)
-    calib = data.run(cfg.calib, "calib", ref.fingerprint, prepare.load_tokenizer(ref), store)
+    calib = data.run(cfg.calib, data.CALIB, ref.fingerprint, load_tokenizer(ref), store)
     block = 32 if precision == "int4_awq" else None
     req = quantize.QuantizeRequest(describe(cfg.precision, cfg.kv_cache, block),
                                    modelopt_config(cfg.precision, cfg.kv_cache, block), cfg.calib.batch_size)

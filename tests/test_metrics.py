@@ -101,6 +101,8 @@ def test_first_divergence():
 
 
 def test_registry_directions():
-    assert metrics.REGISTRY["top1_agreement"].higher_is_better
-    assert not metrics.REGISTRY["ppl_ratio"].higher_is_better
-    assert not metrics.REGISTRY["ppl_reference"].gateable
+    assert metrics.METRICS["top1_agreement"].higher_is_better
+    assert not metrics.METRICS["ppl_ratio"].higher_is_better
+    assert not metrics.METRICS["ppl_reference"].gateable
+    assert metrics.METRICS["top1_agreement"].loss(0.9) == pytest.approx(0.1)
+    assert metrics.METRICS["ppl_ratio"].loss(1.05) == pytest.approx(0.05)

@@ -29,7 +29,7 @@ def test_markdown_report_verdict_first_and_short(run_dir):
 
 def _inject(run_dir: Path, out: Path) -> Path:
     """Re-render the report with hostile strings where model output, data and user input appear."""
-    from quantlab.report import write_run_reports
+    from quantlab.report.render import write_run_reports
 
     doc = read_json(run_dir / "metrics.json")
     for s in doc["generation"]["samples"]:

@@ -70,14 +70,15 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
     assert run_cli(["-m", "+precision=fp8", f"model.path={tiny_llama}", *FAST], cwd=tmp_path, cache=cache).returncode == 0
     plans = _plan_statuses(args, cache, monkeypatch)
     fp8, int8 = plans
-    assert {s.stage: s.status for s in fp8.steps} == {"prepare": "local", "data:calib": "cached", "data:eval": "cached",
-                                                        "quantize": "cached", "export": "cached",
-                                                        "reference": "cached", "evaluate": "cached"}
-    todo = {s.stage: s for s in int8.steps if s.status == "build"}
-    assert set(todo) == {"quantize", "export", "evaluate"}
+    assert {s.name: s.status for s in fp8.steps} == {"prepare": "local", "data:calib": "cached", "data:eval": "cached",
+                                                       "quantize": "not needed", "export": "cached",
+                                                       "reference": "cached", "evaluate:torch": "cached"}
+    todo = {s.name: s for s in int8.steps if s.status == "build"}
+    assert set(todo) == {"quantize", "export", "evaluate:torch"}
     recorded = {read_json(m)["cost"]["stage"]: read_json(m)["cost"]["wall_time_s"]
                 for m in cache.glob("*/*/manifest.json") if "cost" in read_json(m)}
-    for stage, step in todo.items():  # same model and tokens, other precision: the fp8 build's time, marked rough
+    for name, step in todo.items():  # same model and tokens, other precision: the fp8 build's time, marked rough
+        stage = name.split(":")[0]
         assert step.estimate.rough and step.estimate.seconds == pytest.approx(recorded[stage]), stage
 
     (tmp_path / "sweep").mkdir()
@@ -88,12 +89,15 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
         events = {(e["stage"], e["key"]): e["action"] for e in read_json(run_json)["events"]}
         built_stages = [s for (s, _), action in events.items() if action == "built"]
         for step in plan.steps:
+            directory = step.name.split(":")[0] if step.name != "reference" else "reference"
             if step.status == "build" and step.placeholder:  # the key depends on a checkpoint built in this run
-                assert step.stage in built_stages, (plan.label, step)
+                assert directory in built_stages, (plan.label, step)
             elif step.status == "build":
-                assert events.get((step.stage.split(":")[0], step.key)) == "built", (plan.label, step)
-            elif step.status == "cached" and step.stage in ("export", "reference", "evaluate"):
-                assert events.get((step.stage, step.key)) == "reused", (plan.label, step)
+                assert events.get((directory, step.key)) == "built", (plan.label, step)
+            elif step.status == "cached" and directory in ("export", "reference", "evaluate"):
+                assert events.get((directory, step.key)) == "reused", (plan.label, step)
+            elif step.status == "not needed":
+                assert (directory, step.key) not in events, (plan.label, step)
 
 
 def test_plan_reports_bad_runs(tiny_llama, tmp_path):

@@ -1,9 +1,31 @@
-"""The engine interface and build limits, checked the way a serving gateway would check a request."""
+"""The engine interface, what an engine is built from, and build limits (checked the way a serving gateway
+would check a request)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 from quantlab.errors import QuantlabError
+
+
+class EngineInputs(Protocol):
+    """What a run hands an engine's build function (quantlab.engines.registry: EngineSpec.build). The run graph
+    implements it; an engine calls only what its `runs` needs, and each call builds or loads lazily."""
+
+    ref: Any  # quantlab.models.ModelRef
+    device: Any  # quantlab.env.Device
+    dtype: Any
+    device_map: str | None
+    store: Any  # quantlab.artifacts.ArtifactStore
+
+    def checkpoint(self) -> Any:
+        """The exported checkpoint (an Artifact: .path, .fingerprint), for engines that run checkpoints."""
+
+    def calibrated_model(self) -> Any:
+        """A fresh copy of ModelOpt's calibrated fake-quant model."""
+
+    def reference_model(self) -> Any:
+        """A fresh copy of the unquantized model."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Any in-memory HF causal LM as an engine: the reference model and ModelOpt's fake-quant model."""
+"""Any in-memory HF causal LM as an engine: the reference model and ModelOpt's fake-quant models."""
 from __future__ import annotations
 
 from quantlab.engines.base import Engine, Limits
@@ -18,3 +18,8 @@ class HFModelEngine(Engine):
 
     def close(self) -> None:
         del self.model
+
+
+def reference(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+    """engine=reference: the unquantized model as its own candidate."""
+    return HFModelEngine(inputs.reference_model(), limits, "reference")

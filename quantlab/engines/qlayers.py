@@ -1,4 +1,7 @@
-"""Linear layers with deployment numerics, built from exported tensors (never from the ModelOpt model).
+"""Linear layers with deployment numerics, built from exported tensors (never from the ModelOpt model), and the
+registry QLAYERS: quant_algo -> layer class. Each class knows how to load itself from a checkpoint
+(`from_checkpoint`) and how to give back its dequantized weight (`dequantized_weight`), so the engine, the weight
+report and the audit never branch on format names.
 
 - Fp8Linear:    W8A8 FP8 E4M3, static per-tensor scales. torch._scaled_mm on GPUs with FP8 (sm_89+);
                 elsewhere exact emulation: fp8 products are exact in fp32, accumulation in fp32.
@@ -8,8 +11,14 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from quantlab.checkpoint import CheckpointTensors, LayerFormat
+from quantlab.errors import QuantlabError
+from quantlab.registry import Registry
 
 FP8_MAX = 448.0
 
@@ -70,13 +79,53 @@ def _pad_rows(x: torch.Tensor, multiple: int, minimum: int = 0) -> torch.Tensor:
     return x if rows == x.shape[0] else torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
-class _QuantLinear(nn.Module):
+def checked_scale(name: str, t: CheckpointTensors, shape: tuple) -> torch.Tensor:
+    """A scale tensor of the checkpoint: present, of this shape, floating point, positive and finite."""
+    value = t.get(name, shape=shape)
+    if not torch.is_floating_point(value) or not torch.isfinite(value.float()).all() or (value.float() <= 0).any():
+        raise QuantlabError(f"tensor {name} holds non-positive or non-finite values",
+                            fix="re-export the checkpoint; calibration did not produce usable scales")
+    return value
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Where and how a quantized layer runs: its device, whether that device has native FP8 GEMMs, and the
+    dtype of the activations around it."""
+
+    device: str
+    native_fp8: bool
+    compute_dtype: torch.dtype
+
+
+class QuantLinear(nn.Module):
+    """A Linear with deployment numerics. Subclasses implement _matmul, from_checkpoint and dequantized_weight."""
+
     kernel = "?"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_checkpoint(cls, name: str, out_features: int, in_features: int, has_bias: bool, t: CheckpointTensors,
+                        fmt: LayerFormat, ctx: LayerContext) -> "QuantLinear":
+        """Build the layer `name` from the exported tensors (dtype and shape checked, scales positive and finite)."""
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The stored weight dequantized [out, in], fp32, before the layer's pre_quant_scale buffer (if it has one; the
+        engine multiplies the input by it): the weight seen by the unsmoothed input is that times pre_quant_scale."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _bias(name: str, out_features: int, has_bias: bool, t: CheckpointTensors) -> torch.Tensor | None:
+        return t.get(f"{name}.bias", shape=(out_features,)).float() if has_bias else None
+
+    @staticmethod
+    def _scale(name: str, t: CheckpointTensors, shape: tuple) -> torch.Tensor:
+        return checked_scale(name, t, shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -89,7 +138,7 @@ class _QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
 
 
-class Fp8Linear(_QuantLinear):
+class Fp8Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
                  bias: torch.Tensor | None, native: bool):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -102,6 +151,15 @@ class Fp8Linear(_QuantLinear):
         if not native:
             self.register_buffer("weight_f32", weight.float())  # exact: every E4M3 value is an fp32 value
         self.shared: SharedActivation | None = None  # set when siblings read the same activation
+
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        return cls(t.get(f"{name}.weight", torch.float8_e4m3fn, (out_features, in_features)),
+                   cls._scale(f"{name}.weight_scale", t, ()), cls._scale(f"{name}.input_scale", t, ()),
+                   cls._bias(name, out_features, has_bias, t), ctx.native_fp8)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         xq = self.shared.quantize(x) if self.shared is not None else fp8_quantize(x, self.inv_input_scale)
@@ -117,7 +175,7 @@ class Fp8Linear(_QuantLinear):
         return (xq.float() @ self.weight_f32.t()) * (self.input_scale * self.weight_scale)
 
 
-class Int8SqLinear(_QuantLinear):
+class Int8SqLinear(QuantLinear):
     kernel = "torch._int_mm (int8, int32 accumulate)"
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
@@ -129,6 +187,16 @@ class Int8SqLinear(_QuantLinear):
         self.register_buffer("inv_input_scale", 1.0 / self.input_scale)
         self.register_buffer("pre_quant_scale", pre_quant_scale.float().reshape(-1))
 
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        n, k = out_features, in_features
+        return cls(t.get(f"{name}.weight", torch.int8, (n, k)), cls._scale(f"{name}.weight_scale", t, (n,)),
+                   cls._scale(f"{name}.input_scale", t, ()), cls._scale(f"{name}.pre_quant_scale", t, (k,)),
+                   cls._bias(name, n, has_bias, t))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale[:, None]
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         xs = x.float() * self.pre_quant_scale
         xq = torch.round(xs * self.inv_input_scale).clamp(-128, 127).to(torch.int8)
@@ -139,7 +207,7 @@ class Int8SqLinear(_QuantLinear):
         return acc.float() * (self.input_scale * self.weight_scale)
 
 
-class Int4AwqLinear(_QuantLinear):
+class Int4AwqLinear(QuantLinear):
     kernel = "int4 dequantize (W4A16)"
 
     def __init__(self, packed: torch.Tensor, weight_scale: torch.Tensor, block: int,
@@ -152,6 +220,19 @@ class Int4AwqLinear(_QuantLinear):
         self.register_buffer("pre_quant_scale",
                              None if pre_quant_scale is None else pre_quant_scale.to(compute_dtype).reshape(-1))
 
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        n, k, block = out_features, in_features, fmt.group_size
+        if not block or k % block:
+            raise QuantlabError(f"{name}: group_size {block} does not divide its input width {k}",
+                                fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+        pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
+        return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)), cls._scale(f"{name}.weight_scale", t, (n, k // block)),
+                   block, pqs, cls._bias(name, n, has_bias, t), ctx.compute_dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float()
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         if self.pre_quant_scale is not None:
@@ -159,6 +240,10 @@ class Int4AwqLinear(_QuantLinear):
         return (x @ self.weight.t()).float()
 
 
+QLAYERS: Registry[type[QuantLinear]] = Registry("quantized layer format", "a checkpoint's quant_algo")
+QLAYERS.add("FP8", Fp8Linear)
+QLAYERS.add("W8A8_SQ_PER_CHANNEL", Int8SqLinear)
+QLAYERS.add("W4A16_AWQ", Int4AwqLinear)
 
 
 # ------------------------------------------------------------------------------- shared-input fusion

@@ -10,7 +10,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from quantlab.config import EngineConfig
+from quantlab.checkpoint import read_quant_config
 from quantlab.engines.base import Engine, Limits
 from quantlab.errors import QuantlabError
 
@@ -25,10 +25,14 @@ def check_available() -> None:
         raise QuantlabError("engine=trtllm needs TensorRT-LLM, which is not installed here", fix=INSTALL_HINT)
 
 
-def llm_kwargs(cfg: EngineConfig, checkpoint: Path, limits: Limits, kv_cache_quant_algo: str | None) -> dict:
-    """quantlab config -> keyword arguments of tensorrt_llm.LLM (plain data, so it is testable anywhere)."""
+def check_backend(cfg) -> None:
     if cfg.trtllm_backend not in BACKENDS:
-        raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown", fix=f"use one of {BACKENDS}")
+        raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown", fix=f"use one of {', '.join(BACKENDS)}")
+
+
+def llm_kwargs(cfg, checkpoint: Path, limits: Limits, kv_cache_quant_algo: str | None) -> dict:
+    """quantlab config (TrtllmEngineConfig) -> keyword arguments of tensorrt_llm.LLM (plain data, testable anywhere)."""
+    check_backend(cfg)
     kwargs = {
         "model": str(checkpoint),
         "tokenizer": str(checkpoint),
@@ -65,16 +69,14 @@ class TrtllmEngine(Engine):
         self.llm.shutdown()
 
 
-def build_trtllm_engine(cfg: EngineConfig, ctx, limits: Limits) -> TrtllmEngine:
+def build(cfg, ctx, limits: Limits) -> TrtllmEngine:
     check_available()
     import tensorrt_llm
     from tensorrt_llm import LLM
     from tensorrt_llm.llmapi import KvCacheConfig
 
-    from quantlab.stages.export import read_quant_config
-
     ckpt = ctx.checkpoint()
-    kwargs = llm_kwargs(cfg, ckpt.path, limits, read_quant_config(ckpt.path).get("kv_cache_quant_algo"))
+    kwargs = llm_kwargs(cfg, ckpt.path, limits, read_quant_config(ckpt.path, required=True).kv_cache_quant_algo)
     kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
     if cfg.trtllm_backend != "tensorrt":
         return TrtllmEngine(LLM(**kwargs), limits)
@@ -85,11 +87,12 @@ def build_trtllm_engine(cfg: EngineConfig, ctx, limits: Limits) -> TrtllmEngine:
         log.info("engine: loading the stored TensorRT engine %s", stored.path)
         return TrtllmEngine(LLM(**{**kwargs, "model": str(stored.path / "engine")}), limits)
 
-    def build(out: Path) -> dict:
+    def save(out: Path) -> dict:
         llm = LLM(**kwargs)
         llm.save(str(out / "engine"))
         llm.shutdown()
         return {"limits": limits.describe(), "tensorrt_llm": tensorrt_llm.__version__}
 
-    art = ctx.store.get_or_build("engine", key, build, {"checkpoint": ckpt.fingerprint}, describe="TensorRT engine build")
+    art, _ = ctx.store.get_or_build("engine", key, save, {"checkpoint": ckpt.fingerprint},
+                                    describe="TensorRT engine build")
     return TrtllmEngine(LLM(**{**kwargs, "model": str(art.path / "engine")}), limits)

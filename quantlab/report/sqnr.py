@@ -6,46 +6,39 @@ recovered as exported_norm / original_norm.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from quantlab.engines.qlayers import unpack_int4
-from quantlab.stages.prepare import tensor_index
+
+from quantlab.checkpoint import CheckpointTensors, read_quant_config, tensor_index
+from quantlab.engines.qlayers import QLAYERS, LayerContext
 
 # Which norm feeds which projection, for the Llama / Qwen2 / Mistral layout.
 NORM_OF = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
            "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}
 
 
-def _dequant(t, layer: str, algo: str, block: int | None) -> torch.Tensor:
-    w = t[f"{layer}.weight"].get_tensor(f"{layer}.weight")
-    s = t[f"{layer}.weight_scale"].get_tensor(f"{layer}.weight_scale").float()
-    if algo == "FP8":
-        return w.float() * s
-    if algo == "W8A8_SQ_PER_CHANNEL":
-        return w.float() * s[:, None]
-    return unpack_int4(w).float() * s.repeat_interleave(block, dim=1)
-
-
 def weight_sqnr(checkpoint: Path, original: Path) -> list[dict]:
-    quant = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]
-    algo, block = quant.get("quant_algo"), quant.get("group_size")
-    if algo not in ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ"):
+    """One row per quantized Linear of a format engine=torch knows: layer, SQNR in dB, shape."""
+    quant = read_quant_config(checkpoint)
+    if quant is None:
         return []
-    exp, orig = tensor_index(checkpoint), tensor_index(original)
+    exp, orig = CheckpointTensors(checkpoint), tensor_index(original)
+    ctx = LayerContext("cpu", False, torch.float32)
     rows = []
-    for key in sorted(exp, key=_layer_order):
+    for key in sorted(exp.names(), key=_layer_order):
         if not key.endswith(".weight_scale"):
             continue
         layer = key[: -len(".weight_scale")]
-        if f"{layer}.weight" not in orig:
+        fmt = quant.format_of(layer)
+        if fmt is None or fmt.quant_algo not in QLAYERS or f"{layer}.weight" not in orig:
             continue
         w = orig[f"{layer}.weight"].get_tensor(f"{layer}.weight").float()
-        pqs = _pre_quant_scale(exp, orig, layer, w.shape[1])
+        dequant = QLAYERS[fmt.quant_algo].from_checkpoint(layer, w.shape[0], w.shape[1], False, exp, fmt, ctx)
+        pqs = _pre_quant_scale(exp.where, orig, layer, w.shape[1])
         target = w / pqs[None, :]
-        err = target - _dequant(exp, layer, algo, block)
+        err = target - dequant.dequantized_weight()
         noise = float(err.pow(2).sum())
         sqnr = 10 * math.log10(float(target.pow(2).sum()) / noise) if noise > 0 else float("inf")
         rows.append({"layer": layer, "sqnr_db": sqnr, "shape": list(w.shape)})

@@ -16,12 +16,31 @@ from pathlib import Path
 
 from quantlab import costs
 from quantlab.artifacts import ArtifactStore
-from quantlab.config import CalibConfig, DataConfig
+from quantlab.config import DataConfig
 from quantlab.errors import QuantlabError
+from quantlab.step import RunContext, Step
 
 log = logging.getLogger("quantlab")
 
 PYDOC_CALIB_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a token set is for: calibration windows are drawn at random (seeded) from the text, evaluation windows
+    are the first ones in order. `name` is also the config section (calib / eval) and the pydoc part."""
+
+    name: str
+    default_split: str
+    sampled: bool
+
+    def count(self, cfg: DataConfig) -> int | None:
+        """Windows requested: calib.num_samples, or eval.max_windows (None: all)."""
+        return cfg.num_samples if self.sampled else cfg.max_windows
+
+
+CALIB = Role("calib", "train", sampled=True)
+EVAL = Role("eval", "test", sampled=False)
 
 
 @dataclass
@@ -41,14 +60,14 @@ class TokenSet:
 
 
 # ------------------------------------------------------------------------------------------ text
-def _pydoc_text(role: str) -> tuple[str, str]:
+def _pydoc_text(role: Role) -> tuple[str, str]:
     from pydoc_data.topics import topics
 
     def in_calib(name: str) -> bool:
         return hashlib.sha1(name.encode()).digest()[0] < int(256 * PYDOC_CALIB_SHARE)
 
-    names = [n for n in sorted(topics) if in_calib(n) == (role == "calib")]
-    return "\n\n".join(topics[n].strip() for n in names), f"pydoc_data.topics ({role} part, {len(names)} topics)"
+    names = [n for n in sorted(topics) if in_calib(n) == role.sampled]
+    return "\n\n".join(topics[n].strip() for n in names), f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
 
 
 def _file_text(cfg: DataConfig, knob: str) -> tuple[str, str]:
@@ -83,13 +102,13 @@ def _file_text(cfg: DataConfig, knob: str) -> tuple[str, str]:
     return text, str(path)
 
 
-def _dataset_text(cfg: DataConfig, role: str, knob: str) -> tuple[str, str]:
+def _dataset_text(cfg: DataConfig, role: Role, knob: str) -> tuple[str, str]:
     try:
         import datasets
     except ImportError:
         raise QuantlabError(f"{knob}.dataset={cfg.dataset} needs the `datasets` package, which is not installed",
                             fix=f"pip install datasets, or use a local file: {knob}.path=/path/to/file.txt") from None
-    split = cfg.split or ("train" if role == "calib" else "test")
+    split = cfg.split or role.default_split
     try:
         ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=split)
     except Exception as exc:  # noqa: BLE001 - offline / missing datasets raise many types
@@ -103,8 +122,8 @@ def _dataset_text(cfg: DataConfig, role: str, knob: str) -> tuple[str, str]:
     return "\n\n".join(ds[cfg.text_field]), f"datasets:{cfg.dataset}/{cfg.dataset_config}:{split}"
 
 
-def read_text(cfg: DataConfig, role: str) -> tuple[str, str]:
-    knob = "calib" if role == "calib" else "eval"
+def read_text(cfg: DataConfig, role: Role) -> tuple[str, str]:
+    knob = role.name
     if cfg.path:
         text, desc = _file_text(cfg, knob)
     elif cfg.dataset:
@@ -127,17 +146,16 @@ class DataKey:
     recipe: dict
 
 
-def key(cfg: DataConfig, role: str, model_fp: str, store: ArtifactStore) -> DataKey:
+def key(cfg: DataConfig, role: Role, model_fp: str, store: ArtifactStore) -> DataKey:
     text, desc = read_text(cfg, role)
     text_sha = hashlib.sha256(text.encode()).hexdigest()
-    recipe = _recipe(cfg)
-    return DataKey(store.key("data", role=role, text=text_sha, model=model_fp, recipe=recipe), text, desc, text_sha,
-                   recipe)
+    recipe = _recipe(cfg, role)
+    return DataKey(store.key("data", role=role.name, text=text_sha, model=model_fp, recipe=recipe), text, desc,
+                   text_sha, recipe)
 
 
-def _recipe(cfg: DataConfig) -> dict:
-    count = cfg.num_samples if isinstance(cfg, CalibConfig) else cfg.max_windows
-    recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": count, "split": cfg.split}
+def _recipe(cfg: DataConfig, role: Role) -> dict:
+    recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": role.count(cfg), "split": cfg.split}
     if cfg.prefix_token:
         recipe["prefix_token"] = cfg.prefix_token
     return recipe
@@ -153,44 +171,77 @@ def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
     return int(token_id)
 
 
-def run(cfg: DataConfig, role: str, model_fp: str, tokenizer, store: ArtifactStore) -> TokenSet:
+def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path) -> dict:
+    """Tokenize the text once, cut it into windows, keep the requested ones (tokens.safetensors in out)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    ident = key(cfg, role, model_fp, store)
-    text, desc, text_sha = ident.text, ident.description, ident.text_sha256
-    knob = "calib" if role == "calib" else "eval"
+    text, desc, text_sha, knob = ident.text, ident.description, ident.text_sha256, role.name
+    prefix = _prefix_id(cfg, tokenizer, knob)
+    ids = tokenizer(text, add_special_tokens=prefix is None, verbose=False)["input_ids"]
+    width = cfg.seq_len - (prefix is not None)  # text tokens per window
+    n_full = len(ids) // width
+    count = role.count(cfg)
+    if role.sampled:
+        if n_full < count:
+            raise QuantlabError(
+                f"calibration text has {len(ids)} tokens = {n_full} windows of {cfg.seq_len}; "
+                f"calib.num_samples x calib.seq_len = {count} x {cfg.seq_len} needs {count * cfg.seq_len}",
+                fix=f"lower calib.num_samples (<= {n_full}) or calib.seq_len, or give more text")
+        gen = torch.Generator().manual_seed(cfg.seed)
+        pick = torch.randperm(n_full, generator=gen)[:count]
+    else:
+        if n_full < 1:
+            raise QuantlabError(f"evaluation text has {len(ids)} tokens, shorter than one window of "
+                                f"eval.seq_len={cfg.seq_len}", fix="give more text or lower eval.seq_len")
+        pick = torch.arange(min(n_full, count or n_full))
+    flat = torch.tensor(ids[: n_full * width], dtype=torch.long).view(n_full, width)
+    if prefix is not None:
+        flat = torch.cat([torch.full((n_full, 1), prefix, dtype=torch.long), flat], dim=1)
+    save_file({"tokens": flat[pick].contiguous()}, str(out / "tokens.safetensors"))
+    return {"source": desc, "text_sha256": text_sha, "text_chars": len(text), "total_tokens": len(ids),
+            "full_windows": n_full, "windows": int(pick.numel()), "seq_len": cfg.seq_len}
 
-    def build(out: Path) -> dict:
-        prefix = _prefix_id(cfg, tokenizer, knob)
-        ids = tokenizer(text, add_special_tokens=prefix is None, verbose=False)["input_ids"]
-        width = cfg.seq_len - (prefix is not None)  # text tokens per window
-        n_full = len(ids) // width
-        if role == "calib":
-            if n_full < cfg.num_samples:
-                raise QuantlabError(
-                    f"calibration text has {len(ids)} tokens = {n_full} windows of {cfg.seq_len}; "
-                    f"calib.num_samples x calib.seq_len = {cfg.num_samples} x {cfg.seq_len} needs "
-                    f"{cfg.num_samples * cfg.seq_len}",
-                    fix=f"lower calib.num_samples (<= {n_full}) or calib.seq_len, or give more text")
-            gen = torch.Generator().manual_seed(cfg.seed)
-            pick = torch.randperm(n_full, generator=gen)[: cfg.num_samples]
-        else:
-            if n_full < 1:
-                raise QuantlabError(f"evaluation text has {len(ids)} tokens, shorter than one window of eval.seq_len={cfg.seq_len}",
-                                    fix="give more text or lower eval.seq_len")
-            pick = torch.arange(min(n_full, cfg.max_windows or n_full))
-        flat = torch.tensor(ids[: n_full * width], dtype=torch.long).view(n_full, width)
-        if prefix is not None:
-            flat = torch.cat([torch.full((n_full, 1), prefix, dtype=torch.long), flat], dim=1)
-        save_file({"tokens": flat[pick].contiguous()}, str(out / "tokens.safetensors"))
-        return {"source": desc, "text_sha256": text_sha, "text_chars": len(text), "total_tokens": len(ids),
-                "full_windows": n_full, "windows": int(pick.numel()), "seq_len": cfg.seq_len}
 
-    art = store.get_or_build("data", ident.key, build, {"role": role, "recipe": ident.recipe, "model": model_fp},
-                             describe=f"tokenizing {knob} data", cost=costs.work("cpu", role, size=len(text)))
+def load(art, role: Role) -> TokenSet:
+    from safetensors.torch import load_file
+
     tokens = load_file(str(art.path / "tokens.safetensors"))["tokens"]
     info = dict(art.info)
-    log.info("%s data: %s, %d windows x %d tokens", knob, info["source"], tokens.shape[0], tokens.shape[1])
-    return TokenSet(role, art.fingerprint, tokens, info)
+    log.info("%s data: %s, %d windows x %d tokens", role.name, info["source"], tokens.shape[0], tokens.shape[1])
+    return TokenSet(role.name, art.fingerprint, tokens, info)
 
+
+def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore) -> TokenSet:
+    """key, build (once) and load in one call: for callers outside the run graph (bench, tests)."""
+    ident = key(cfg, role, model_fp, store)
+    art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out),
+                                {"role": role.name, "recipe": ident.recipe, "model": model_fp},
+                                describe=f"tokenizing {role.name} data", cost=costs.work("cpu", role.name, size=len(ident.text)))
+    return load(art, role)
+
+
+# ------------------------------------------------------------------------------------------- the step
+def step(ctx: RunContext, role: Role) -> Step:
+    """Token windows for one role, keyed by the text itself (not its path), the recipe and the model."""
+    cfg = getattr(ctx.cfg, role.name)
+    name = f"data:{role.name}"
+
+    def ident(r) -> DataKey:
+        memo = ctx.memo.setdefault("data_keys", {})
+        if role.name not in memo:
+            memo[role.name] = key(cfg, role, r.fingerprint("prepare"), ctx.store)
+        return memo[role.name]
+
+    def tokenizer(r):
+        if "tokenizer" not in ctx.memo:
+            from quantlab.models import load_tokenizer
+
+            ctx.memo["tokenizer"] = load_tokenizer(r.value("prepare"))
+        return ctx.memo["tokenizer"]
+
+    return Step(name, "data", lambda r: ident(r).key, lambda art, r, built: load(art, role),
+                lambda out, r: build(cfg, role, ident(r), tokenizer(r), out), needs=("prepare",),
+                work=lambda r: costs.work("cpu", role.name, size=len(ident(r).text)),
+                manifest=lambda r: {"role": role.name, "recipe": ident(r).recipe, "model": r.fingerprint("prepare")},
+                describe=f"tokenizing {role.name} data", cheap=True)

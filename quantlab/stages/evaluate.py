@@ -13,12 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from quantlab import metrics
-from quantlab.artifacts import Artifact, ArtifactStore
+from quantlab import costs, metrics
+from quantlab.artifacts import Artifact, ArtifactStore, Built
 from quantlab.config import EvalConfig
+from quantlab.engines.registry import ENGINES, EngineSpec
 from quantlab.env import versions
 from quantlab.errors import QuantlabError
 from quantlab.stages.data import TokenSet
+from quantlab.step import RunContext, Step, limits_for
 
 log = logging.getLogger("quantlab")
 REF_FILE = "reference.safetensors"
@@ -35,6 +37,7 @@ class EvalResult:
     argmax: np.ndarray | None = field(default=None, repr=False)  # [windows, positions] candidate predictions
     forward_batches: int = 0
     seconds: float = 0.0
+    computed_now: bool = False  # evaluated in this run (not read from the store)
 
 
 def _oom_guard(fn, batch_size: int):
@@ -58,46 +61,39 @@ def _prompts(evalset: TokenSet, cfg: EvalConfig):
 
 
 # --------------------------------------------------------------------------------------- reference
-def reference_key(store: ArtifactStore, model_fp: str, evalset: TokenSet, cfg: EvalConfig, device, dtype) -> str:
-    return store.key("reference", model=model_fp, data=evalset.fingerprint, dtype=str(dtype), device=device.type,
+def reference_key(store: ArtifactStore, model_fp: str, data_fp: str, cfg: EvalConfig, device, dtype) -> str:
+    return store.key("reference", model=model_fp, data=data_fp, dtype=str(dtype), device=device.type,
                      metrics=metrics.FORMULA_VERSION,
                      topk=cfg.topk, gen=[cfg.gen_prompts, cfg.gen_prompt_len, cfg.gen_tokens], versions=versions())
 
 
-def reference(store: ArtifactStore, rkey: str, evalset: TokenSet, cfg: EvalConfig, make_engine,
-              cost: dict | None = None) -> Artifact:
-    """make_engine() -> the reference engine; called only when the outputs are not cached."""
+def write_reference(out: Path, engine, evalset: TokenSet, cfg: EvalConfig) -> dict:
+    """The reference engine's per-position outputs over every window (reference.safetensors in out)."""
+    import torch
+    from safetensors.torch import save_file
 
-    def build(out: Path) -> dict:
-        import torch
-        from safetensors.torch import save_file
-
-        engine = make_engine()
-        w, t = evalset.num_windows, evalset.seq_len - 1
-        k = cfg.topk
-        arrays = {"nll": torch.empty(w, t), "argmax": torch.empty(w, t, dtype=torch.int32),
-                  "topk_lp": torch.empty(w, t, k), "topk_idx": torch.empty(w, t, k, dtype=torch.int32)}
-        start = time.time()
-        for lo in range(0, w, cfg.batch_size):
-            batch = evalset.tokens[lo: lo + cfg.batch_size]
-            logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
-            stats = metrics.PositionStats(logits, batch[:, 1:].to(logits.device))
-            top_lp, top_idx = stats.topk(k)
-            hi = lo + batch.shape[0]
-            arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = stats.nll.cpu(), stats.argmax.cpu().int()
-            arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top_lp.cpu(), top_idx.cpu().int()
-            del logits, stats
-            log.info("  reference windows %d/%d (%.1f s)", hi, w, time.time() - start)
-        prompts = _prompts(evalset, cfg)
-        if prompts is not None:
-            arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
-        save_file({k_: v.contiguous() for k_, v in arrays.items()}, str(out / REF_FILE))
-        info = {"forward_batches": engine.forward_batches, "seconds": round(time.time() - start, 2)}
-        engine.close()
-        return info
-
-    return store.get_or_build("reference", rkey, build, {"data": evalset.fingerprint, "versions": versions()},
-                              describe="reference outputs", cost=cost)
+    w, t = evalset.num_windows, evalset.seq_len - 1
+    k = cfg.topk
+    arrays = {"nll": torch.empty(w, t), "argmax": torch.empty(w, t, dtype=torch.int32),
+              "topk_lp": torch.empty(w, t, k), "topk_idx": torch.empty(w, t, k, dtype=torch.int32)}
+    start = time.time()
+    for lo in range(0, w, cfg.batch_size):
+        batch = evalset.tokens[lo: lo + cfg.batch_size]
+        logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
+        stats = metrics.PositionStats(logits, batch[:, 1:].to(logits.device))
+        top_lp, top_idx = stats.topk(k)
+        hi = lo + batch.shape[0]
+        arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = stats.nll.cpu(), stats.argmax.cpu().int()
+        arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top_lp.cpu(), top_idx.cpu().int()
+        del logits, stats
+        log.info("  reference windows %d/%d (%.1f s)", hi, w, time.time() - start)
+    prompts = _prompts(evalset, cfg)
+    if prompts is not None:
+        arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
+    save_file({k_: v.contiguous() for k_, v in arrays.items()}, str(out / REF_FILE))
+    info = {"forward_batches": engine.forward_batches, "seconds": round(time.time() - start, 2)}
+    engine.close()
+    return info
 
 
 # ---------------------------------------------------------------------------------------- candidate
@@ -165,25 +161,6 @@ def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:
 RESULT_JSON, RESULT_ARRAYS = "result.json", "result.safetensors"
 
 
-def candidate_engines(cfg) -> list[str]:
-    """The engine under test, plus the fake-quant variants that eval.attribution compares it with."""
-    names = [cfg.engine.name]
-    if cfg.eval.attribution and cfg.engine.name not in ("fakequant", "reference"):
-        names += ["fakequant", "fakequant_exported", "fakequant_jitter"]
-    return names
-
-
-def candidate_identity(name: str, engine_cfg, model_fp: str, qkey: str, checkpoint_fp) -> str:
-    """What a candidate's outputs depend on: the exported checkpoint for engines (checkpoint_fp() gives its
-    fingerprint, asked only for them), the calibrated state for fake-quant variants, the model itself for the
-    reference control run."""
-    if name in ("torch", "trtllm"):
-        return f"{checkpoint_fp()}:{engine_cfg.trtllm_backend if name == 'trtllm' else ''}"
-    if name == "reference":
-        return model_fp
-    return qkey
-
-
 def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str, cfg: EvalConfig, limits: dict,
                    device, dtype) -> str:
     """Identity of one candidate's evaluation. batch_size is left out: results do not depend on it (tested)."""
@@ -193,33 +170,155 @@ def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str,
                      device=device.arch, dtype=str(dtype), versions=versions())
 
 
-def evaluate_cached(store: ArtifactStore, key: str, make_engine, ref_art: Artifact, evalset: TokenSet,
-                    cfg: EvalConfig, tokenizer=None, cost: dict | None = None) -> tuple[EvalResult, bool]:
-    """(result, computed_now): a rerun on the same candidate and data reads the stored result."""
+def write_result(out: Path, result: EvalResult) -> dict:
     import json
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    computed = {}
+    doc = {k: getattr(result, k) for k in ("engine", "metrics", "windows", "positions", "generation",
+                                             "forward_batches", "seconds")}
+    (out / RESULT_JSON).write_text(json.dumps(doc))
+    save_file({"kl_values": torch.from_numpy(result.kl_values.copy()),
+               "argmax": torch.from_numpy(result.argmax.copy())}, str(out / RESULT_ARRAYS))
+    return {"engine": result.engine, "forward_batches": result.forward_batches, "seconds": result.seconds}
 
-    def build(out: Path) -> dict:
-        engine = make_engine()
-        result = compare(engine, ref_art, evalset, cfg, tokenizer)
-        engine.close()
-        doc = {k: getattr(result, k) for k in ("engine", "metrics", "windows", "positions", "generation",
-                                                 "forward_batches", "seconds")}
-        (out / RESULT_JSON).write_text(json.dumps(doc))
-        save_file({"kl_values": torch.from_numpy(result.kl_values.copy()),
-                   "argmax": torch.from_numpy(result.argmax.copy())}, str(out / RESULT_ARRAYS))
-        computed["result"] = result
-        return {"engine": result.engine, "forward_batches": result.forward_batches, "seconds": result.seconds}
 
-    art = store.get_or_build("evaluate", key, build, {"data": evalset.fingerprint, "versions": versions()},
-                             describe="candidate evaluation", cost=cost)
-    if "result" in computed:
-        return computed["result"], True
+def read_result(art: Artifact) -> EvalResult:
+    import json
+
+    from safetensors.torch import load_file
+
     doc = json.loads((art.path / RESULT_JSON).read_text())
     arrays = load_file(str(art.path / RESULT_ARRAYS))
     return EvalResult(doc["engine"], doc["metrics"], doc["windows"], doc["positions"], arrays["kl_values"].numpy(),
-                      doc["generation"], arrays["argmax"].numpy(), doc["forward_batches"], doc["seconds"]), False
+                      doc["generation"], arrays["argmax"].numpy(), doc["forward_batches"], doc["seconds"])
+
+
+# ------------------------------------------------------------------------------------------ attribution
+def attribution(results: dict, engine: str) -> dict:
+    """Split the loss three ways: quantization itself (HF -> fake-quant), export (fake-quant -> fake-quant with
+    the transformations export applies), engine numerics (as exported -> the engine running the checkpoint)."""
+    chain = ["fakequant", "fakequant_exported", engine]
+    steps = {"quantization": (None, "fakequant"), "export": ("fakequant", "fakequant_exported"),
+             "engine": ("fakequant_exported", engine)}
+
+    def loss(name, metric):  # how much worse than the reference, in the metric's own units
+        value = results[name].metrics[metric]["value"]
+        return metrics.METRICS[metric].loss(value)
+
+    out = {}
+    for metric in ("dnll_mean", "top1_agreement", "kl_mean"):
+        out[metric] = {name: results[name].metrics[metric]["value"] for name in chain}
+        for step_name, (a, b) in steps.items():
+            out[metric][step_name] = loss(b, metric) - (loss(a, metric) if a else 0.0)
+
+    def agree(a, b):
+        return float((results[a].argmax == results[b].argmax).mean())
+
+    return {"engine": engine, "metrics": out,
+            "engine_vs_fakequant_top1": agree(engine, "fakequant"),
+            "engine_vs_exported_top1": agree(engine, "fakequant_exported"),
+            "exported_jitter_floor_top1": agree("fakequant_exported", "fakequant_jitter"),
+            "note": "losses vs the reference (top-1 as disagreement 1 - agreement): quantization = fake-quant; "
+                    "export = fake-quant after export's re-smoothing minus fake-quant; engine = the engine minus that. "
+                    "exported_jitter_floor_top1 = the as-exported model vs itself under input noise of rounding size "
+                    "(relative max(1e-6, the compute dtype's eps)): "
+                    "the best agreement any implementation that is not bit-identical can reach on this model"}
+
+
+# ------------------------------------------------------------------------------------------- the steps
+def limits(r):
+    ctx = r.ctx
+    if "limits" not in ctx.memo:
+        ctx.memo["limits"] = limits_for(ctx.cfg, r.value("prepare").max_positions)
+    return ctx.memo["limits"]
+
+
+def _eval_tokens(r) -> int:
+    evalset = r.value("data:eval")
+    return evalset.num_windows * evalset.seq_len
+
+
+def reference_step(ctx: RunContext) -> Step:
+    cfg = ctx.cfg
+
+    def key_of(r) -> str:
+        return reference_key(ctx.store, r.fingerprint("prepare"), r.fingerprint("data:eval"), cfg.eval, ctx.device,
+                             ctx.dtype)
+
+    return Step("reference", "evaluate", key_of, lambda art, r, built: art,
+                lambda out, r: write_reference(out, build_engine(ENGINES["reference"], r), r.value("data:eval"), cfg.eval),
+                needs=("prepare", "data:eval"), store_stage="reference",
+                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
+                                          _eval_tokens(r)),
+                manifest=lambda r: {"data": r.fingerprint("data:eval"), "versions": versions()},
+                describe="reference outputs")
+
+
+RUNS_NEEDS = {"checkpoint": "export", "calibrated": "quantize", "model": "prepare"}
+
+
+def build_engine(spec: EngineSpec, r):
+    """Build an engine from what the run has (the registry says what it runs)."""
+    from quantlab.graph import EngineInputsView
+
+    return spec.builder()(r.ctx.cfg.engine, EngineInputsView(r), limits(r))
+
+
+def engine_build_step(ctx: RunContext) -> Step:
+    """stop_after=build: build the engine under test (its build records are stored) and stop."""
+    spec = ctx.engine
+
+    def build(out, r) -> dict:
+        engine = build_engine(spec, r)
+        engine.close()
+        return {"engine": spec.name}
+
+    return Step(f"build:{spec.name}", "build", lambda r: None, lambda art, r, built: built,
+                build, needs=(RUNS_NEEDS[spec.runs], "prepare"))
+
+
+def candidate_identity(spec: EngineSpec, r) -> str:
+    """What a candidate's outputs depend on: the exported checkpoint for engines that run it (plus the engine's
+    own output-changing options), the calibrated state for fake-quant rungs, the model for the reference."""
+    if spec.runs == "checkpoint":
+        extra = spec.identity(r.ctx.cfg.engine) if spec.name == r.ctx.engine.name else {}
+        return f"{r.fingerprint('export')}:{''.join(str(v) for v in extra.values())}"
+    if spec.runs == "model":
+        return r.fingerprint("prepare")
+    return r.key("quantize")
+
+
+def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
+    cfg = ctx.cfg
+
+    def key_of(r) -> str:
+        return evaluation_key(ctx.store, spec.name, candidate_identity(spec, r), r.key("reference"), cfg.eval,
+                              limits(r).describe(), ctx.device, ctx.dtype)
+
+    def build(out: Path, r) -> Built:
+        from quantlab.models import load_tokenizer
+
+        evalset = r.value("data:eval")
+        log.info("evaluate: %s vs reference on %d windows x %d tokens", spec.name, evalset.num_windows, evalset.seq_len)
+        engine = build_engine(spec, r)
+        result = compare(engine, r.value("reference"), evalset, cfg.eval, load_tokenizer(r.value("prepare")))
+        engine.close()
+        return Built(write_result(out, result), result)
+
+    def load(art: Artifact, r, built: Built | None) -> EvalResult:
+        result = built.value if built is not None else read_result(art)
+        result.computed_now = built is not None
+        return result
+
+    def work(r) -> dict:
+        from quantlab.stages.quantize import recipe_label
+
+        return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
+                          r.value("prepare").num_params, _eval_tokens(r))
+
+    return Step(f"evaluate:{spec.name}", "evaluate", key_of, load, build,
+                needs=("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]), work=work,
+                manifest=lambda r: {"data": r.fingerprint("data:eval"), "versions": versions()},
+                describe="candidate evaluation")

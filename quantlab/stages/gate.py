@@ -5,7 +5,6 @@ Directions come from the metric registry (`higher_is_better`), never from branch
 """
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -14,10 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from quantlab import metrics
-from quantlab.config import PRECISION_SCHEMAS, GateConfig, Threshold
+from quantlab.config import GateConfig, Threshold
 from quantlab.errors import QuantlabError
-
-METRICS_SCHEMA = "quantlab.metrics/1"
+from quantlab.metrics import METRICS_SCHEMA
+from quantlab.precisions import PRECISIONS
+from quantlab.registry import did_you_mean
 
 
 @dataclass
@@ -33,25 +33,66 @@ class Check:
     detail: str = ""
 
 
-def _closest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
+def _check_threshold(where: str, name: str, th: Threshold) -> None:
+    """A threshold must be able to fail a worse candidate: finite, inside the metric's range, min <= max, and on
+    the side the metric's direction says (a min on a lower-is-better metric passes everything worse)."""
+    spec = metrics.METRICS[name]
+    for bound in ("min", "max"):
+        value = getattr(th, bound)
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise QuantlabError(f"{where}.{name}.{bound}={value} is not a finite number", fix="give a finite threshold")
+        lo, hi = spec.range
+        if not lo <= value <= hi:
+            raise QuantlabError(f"{where}.{name}.{bound}={value:g} is outside {name}'s range [{lo:g}, {hi:g}]",
+                                fix=f"a threshold there can never pass or never fail; pick a value in [{lo:g}, {hi:g}]")
+    if th.min is None and th.max is None:
+        raise QuantlabError(f"{where}.{name} has neither min nor max", fix=f"set {where}.{name}.min or .max")
+    if th.min is not None and th.max is not None and th.min > th.max:
+        raise QuantlabError(f"{where}.{name}: min {th.min:g} > max {th.max:g}, so no value can pass",
+                            fix="swap or correct the bounds")
+    wrong = "min" if not spec.higher_is_better and th.min is not None else \
+        "max" if spec.higher_is_better and th.max is not None else None
+    if wrong:
+        right = "max" if wrong == "min" else "min"
+        direction = "higher" if spec.higher_is_better else "lower"
+        raise QuantlabError(f"{where}.{name}.{wrong} bounds {name} from the wrong side: {direction} is better, so a "
+                            f"{wrong} threshold passes every worse candidate",
+                            fix=f"use {where}.{name}.{right}")
 
 
 def thresholds_for(cfg: GateConfig, precision: str) -> dict[str, Threshold]:
+    """The thresholds that apply to a precision (per-precision entries override the common ones), validated."""
     for name in cfg.per_precision:
-        if name not in PRECISION_SCHEMAS:
-            raise QuantlabError(f"gate.per_precision has unknown precision {name!r}{_closest(name, PRECISION_SCHEMAS)}",
-                                fix=f"use one of {', '.join(PRECISION_SCHEMAS)}")
-    merged = {**cfg.thresholds, **cfg.per_precision.get(precision, {})}
-    # OmegaConf leaves dataclasses nested two dicts deep as plain dicts
-    merged = {k: v if isinstance(v, Threshold) else Threshold(**v) for k, v in merged.items()}
-    gateable = [m for m, info in metrics.REGISTRY.items() if info.gateable]
-    for name in merged:
-        if name not in gateable:
-            raise QuantlabError(f"gate threshold on unknown metric {name!r}{_closest(name, gateable)}",
-                                fix=f"gateable metrics: {', '.join(gateable)}")
+        if name not in PRECISIONS:
+            raise QuantlabError(f"gate.per_precision has unknown precision {name!r}{did_you_mean(name, PRECISIONS)}",
+                                fix=f"use one of {', '.join(PRECISIONS)}")
+    as_threshold = {}
+    for where, table in [("gate.thresholds", cfg.thresholds)] + [
+            (f"gate.per_precision.{p}", t) for p, t in cfg.per_precision.items()]:
+        for name, th in table.items():
+            if name not in metrics.GATEABLE:
+                raise QuantlabError(f"gate threshold on unknown metric {name!r}{did_you_mean(name, metrics.GATEABLE)}",
+                                    fix=f"gateable metrics: {', '.join(metrics.GATEABLE)}")
+            # OmegaConf leaves dataclasses nested two dicts deep as plain dicts
+            th = th if isinstance(th, Threshold) else Threshold(**th)
+            _check_threshold(where, name, th)
+            as_threshold[(where, name)] = th
+    merged = {name: as_threshold[("gate.thresholds", name)] for name in cfg.thresholds}
+    merged.update({name: as_threshold[(f"gate.per_precision.{precision}", name)]
+                   for name in cfg.per_precision.get(precision, {})})
     return merged
+
+
+def check_gate(cfg: GateConfig, precision: str) -> None:
+    """Every gate parameter in range, before any compute."""
+    for knob, value in (("gate.statistical.alpha", cfg.statistical.alpha), ("gate.statistical.beta", cfg.statistical.beta),
+                        ("gate.baseline_alpha", cfg.baseline_alpha)):
+        if not (isinstance(value, (int, float)) and 0 < value < 1):
+            raise QuantlabError(f"{knob}={value} must be strictly between 0 and 1",
+                                fix=f"set {knob} to a probability such as 0.05")
+    thresholds_for(cfg, precision)
 
 
 def _threshold_checks(merged: dict[str, Threshold], measured: dict) -> list[Check]:
@@ -129,7 +170,7 @@ def _baseline_checks(base: dict, windows: dict, measured: dict, alpha: float) ->
             theirs = np.asarray(bw["nll_candidate"]) - np.asarray(bw["nll_reference"])
         else:
             ours, theirs = np.asarray(windows[key]), np.asarray(bw[key])
-        hib = metrics.REGISTRY[name].higher_is_better
+        hib = metrics.METRICS[name].higher_is_better
         worse = (theirs - ours) if hib else (ours - theirs)  # > 0 means the candidate is worse
         mean, lo, _ = metrics.t_interval(worse, confidence=1 - 2 * alpha)
         base_value = base["metrics"].get(name, {}).get("value")

@@ -13,10 +13,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantlab.artifacts import Artifact, ArtifactStore
+from quantlab import costs
+from quantlab.artifacts import Artifact, Built
+from quantlab.checkpoint import tensor_index
 from quantlab.env import Device, versions
+from quantlab.step import RunContext, Step
+from quantlab.models import ModelRef, load_model, quantized_in_dims
+from quantlab.precisions import describe, modelopt_config, resolve_block_size
 from quantlab.stages.data import TokenSet
-from quantlab.stages.prepare import ModelRef, load_model, tensor_index
 
 log = logging.getLogger("quantlab")
 
@@ -29,6 +33,7 @@ class QuantizeRequest:
     recipe: dict  # precisions.describe(...)
     modelopt_cfg: dict
     batch_size: int
+    block_note: str = ""  # how the block size was chosen (auto / explicit / fixed)
 
 
 # ------------------------------------------------------------------------ pickle-free state codec
@@ -75,12 +80,6 @@ def decode_state(obj):
 
 
 # ---------------------------------------------------------------------------------------- stage
-def key(store: ArtifactStore, ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype) -> str:
-    # batch_size is part of it: AWQ's search accumulates its losses per calibration batch
-    return store.key("quantize", model=ref.fingerprint, calib=calib.fingerprint, recipe=req.recipe,
-                     batch_size=req.batch_size, device=device.type, dtype=str(dtype), versions=versions())
-
-
 def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype, device_map=None,
               full_logits: bool = False):
     """Load the reference model and run ModelOpt calibration; returns (model, info)."""
@@ -133,22 +132,35 @@ def save_state(model, ref: ModelRef, out: Path) -> dict:
     return {"tensors_saved": len(keep)}
 
 
-def run(store: ArtifactStore, qkey: str, ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype,
-        device_map=None, cost: dict | None = None) -> tuple[Artifact, object | None]:
-    """The calibrated-state artifact, and the live model when it was calibrated in this call."""
-    live = {}
+def build(out: Path, ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype,
+          device_map=None) -> Built:
+    """Calibrate and save the state; the live model is handed on (the export uses it without a reload)."""
+    model, info = calibrate(ref, calib, req, device, dtype, device_map)
+    info.update(save_state(model, ref, out))
+    info["block_size"], info["block_size_choice"] = req.recipe["block_size"], req.block_note
+    return Built(info, model)
 
-    def build(out: Path) -> dict:
-        model, info = calibrate(ref, calib, req, device, dtype, device_map)
-        info.update(save_state(model, ref, out))
-        live["model"] = model
-        return info
 
-    art = store.get_or_build("quantize", qkey, build, {"recipe": req.recipe, "model": ref.fingerprint,
-                                                        "calib": calib.fingerprint, "versions": versions(),
-                                                        "device": device.describe()},
-                             describe="calibration", cost=cost)
-    return art, live.get("model")
+class Calibrated:
+    """The calibrated state, and the model calibration left in memory if this run calibrated it. take() hands that
+    model out once (the export consumes it); fresh() always gives an unused copy (restored when needed)."""
+
+    def __init__(self, art: Artifact, ref: ModelRef, device: Device, dtype, device_map, live=None):
+        self.art, self.ref, self.device, self.dtype, self.device_map = art, ref, device, dtype, device_map
+        self._live = live
+
+    @property
+    def fingerprint(self) -> str:
+        return self.art.fingerprint
+
+    def take(self):
+        model, self._live = self._live, None
+        return model if model is not None else self.fresh()
+
+    def fresh(self):
+        if self._live is not None:
+            return self.take()
+        return restore(self.art, self.ref, self.device, self.dtype, self.device_map)
 
 
 def restore(art: Artifact, ref: ModelRef, device: Device, dtype, device_map=None):
@@ -164,3 +176,54 @@ def restore(art: Artifact, ref: ModelRef, device: Device, dtype, device_map=None
     if missing_unexpected.unexpected_keys:
         raise RuntimeError(f"calibrated state does not fit the model: {missing_unexpected.unexpected_keys[:5]}")
     return model.eval()
+
+
+# ------------------------------------------------------------------------------------------- the step
+def request(r) -> QuantizeRequest:
+    """The run's quantization request: recipe (with the block size resolved on this model) and ModelOpt config."""
+    ctx: RunContext = r.ctx
+    if "quantize_request" not in ctx.memo:
+        cfg = ctx.cfg
+        ref = r.value("prepare")
+        block, how = resolve_block_size(cfg.precision, quantized_in_dims(ref))
+        if block and how.startswith("auto"):
+            log.info("quantize: block size %d (%s)", block, how)
+        ctx.memo["quantize_request"] = QuantizeRequest(describe(cfg.precision, cfg.kv_cache, block), {},
+                                                       cfg.calib.batch_size, how)
+    return ctx.memo["quantize_request"]
+
+
+def recipe_label(ctx: RunContext) -> str:
+    return f"{ctx.precision.name}/kv={ctx.cfg.kv_cache.dtype}"
+
+
+def step(ctx: RunContext) -> Step:
+    cfg = ctx.cfg
+
+    def key_of(r) -> str:
+        req = request(r)
+        # batch_size is part of it: AWQ's search accumulates its losses per calibration batch
+        return ctx.store.key("quantize", model=r.fingerprint("prepare"), calib=r.fingerprint("data:calib"),
+                             recipe=req.recipe, batch_size=req.batch_size, device=ctx.device.type,
+                             dtype=str(ctx.dtype), versions=versions())
+
+    def build_step(out: Path, r) -> Built:
+        req = request(r)
+        req.modelopt_cfg = modelopt_config(cfg.precision, cfg.kv_cache, req.recipe["block_size"])
+        return build(out, r.value("prepare"), r.value("data:calib"), req, ctx.device, ctx.dtype, cfg.model.device_map)
+
+    def load(art: Artifact, r, built: Built | None) -> Calibrated:
+        return Calibrated(art, r.value("prepare"), ctx.device, ctx.dtype, cfg.model.device_map,
+                          built.value if built else None)
+
+    def work(r) -> dict:
+        calib = r.value("data:calib")
+        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), r.value("prepare").num_params,
+                          calib.num_windows * calib.seq_len)
+
+    def manifest(r) -> dict:
+        return {"recipe": request(r).recipe, "model": r.fingerprint("prepare"), "calib": r.fingerprint("data:calib"),
+                "versions": versions(), "device": ctx.device.describe()}
+
+    return Step("quantize", "quantize", key_of, load, build_step, needs=("prepare", "data:calib"), work=work,
+                manifest=manifest, describe="calibration")

@@ -1,19 +1,35 @@
-"""report: metrics.json (versioned schema), junit.xml (one testcase per gate check), console table,
-report.md and report.html (quantlab.report)."""
+"""The documents a run leaves: metrics.json (versioned schema, MetricsDoc), junit.xml (one testcase per gate
+check) and the console table. report.md / report.html are rendered from the same document (quantlab.report.render).
+"""
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any, TypedDict
 
 from quantlab.artifacts import write_json_atomic, write_text_atomic
-from quantlab.stages.gate import METRICS_SCHEMA
+from quantlab.metrics import METRICS_SCHEMA, TABLE
 
-TABLE_METRICS = ("top1_agreement", "ppl_reference", "ppl_candidate", "ppl_ratio", "kl_mean", "kl_p99",
-                 "gen_exact_match", "gen_first_divergence")
+TABLE_METRICS = tuple(TABLE)
 
 
-def metrics_document(run: dict, result, gate: dict, provenance: dict, attribution: dict | None) -> dict:
-    doc = {"schema": METRICS_SCHEMA, "run": run, "metrics": result.metrics, "gate": gate,
+class MetricsDoc(TypedDict, total=False):
+    """metrics.json (schema quantlab.metrics/1)."""
+
+    schema: str
+    run: dict  # precision, kv_cache, engine, model, recipe, eval, checkpoint, forward batch counts
+    metrics: dict  # name -> {value, higher_is_better, ci95?, ...}
+    gate: dict  # thresholds, checks [{name, kind, metric, value, threshold, op, passed, margin}], passed, warnings
+    windows: dict  # per-window arrays (baseline comparisons, plots)
+    positions: dict
+    generation: Any
+    provenance: dict  # fingerprints, versions, device, dtype, config, argv
+    attribution: dict
+    weight_error: dict
+
+
+def metrics_document(run: dict, result, gate: dict, provenance: dict, attribution: dict | None) -> MetricsDoc:
+    doc: MetricsDoc = {"schema": METRICS_SCHEMA, "run": run, "metrics": result.metrics, "gate": gate,
            "windows": result.windows, "positions": result.positions, "generation": result.generation,
            "provenance": provenance}
     if attribution:

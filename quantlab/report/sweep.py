@@ -12,8 +12,24 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from quantlab.artifacts import write_json_atomic, write_text_atomic
-from quantlab.report import environment
+from quantlab.errors import EXIT_INTERNAL
 from quantlab.report.plots import pareto, pareto_front
+from quantlab.report.render import environment
+
+STATUS = "status.json"  # a run's exit code, written by the CLI into its run directory
+
+
+def exit_codes(sweep_dir: Path) -> list[int]:
+    """Exit code of every job of a sweep, read from each job's status.json (jobs may have run in other processes:
+    joblib, submitit); a job that left none crashed before writing it."""
+    codes = []
+    for job in (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
+        status = job / STATUS
+        try:
+            codes.append(int(json.loads(status.read_text())["exit_code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            codes.append(EXIT_INTERNAL)
+    return codes
 
 log = logging.getLogger("quantlab")
 
@@ -82,16 +98,10 @@ def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: after a multirun, summarize every run of the sweep."""
+    """Hydra callback: after a multirun, summarize every run of the sweep (the CLI reads the jobs' exit codes)."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from quantlab import cli
-
         sweep_dir = Path(config.hydra.sweep.dir)
-        # Jobs may have run in other processes (joblib, submitit): collect their exit codes from disk.
-        for job in (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
-            status = job / cli.STATUS
-            cli._outcomes.append(json.loads(status.read_text())["exit_code"] if status.is_file() else cli.EXIT_INTERNAL)
         runs = find_runs([sweep_dir])
         if runs:
             md, html = write_summary(sweep_dir, runs)

@@ -1,0 +1,93 @@
+"""The Python entry point: run a configuration, plan a sweep, evaluate an existing checkpoint, with the same
+config objects the CLI composes.
+
+    from quantlab import api
+
+    result = api.run(["+precision=fp8", "model.path=/models/my-llama"], run_dir="outputs/fp8")
+    print(result.exit_code, result.metrics["ppl_ratio"]["value"], result.passed)
+
+    for row in api.plan(["-m", "+precision=fp8,int4_awq"]):
+        print(row.label, [(s.name, s.status) for s in row.steps])
+
+    api.evaluate_checkpoint("/exports/fp8", precision="fp8", model_path="/models/my-llama")
+
+Overrides are Hydra's (exactly what follows `python -m quantlab`); a `Config` made in Python works too.
+Bad input raises QuantlabError (exit_code 2) before any compute.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from quantlab.config import Config
+
+
+@dataclass
+class RunResult:
+    """What a run left: its exit code (0 may ship, 1 a gate failed), directory and metrics document."""
+
+    exit_code: int
+    run_dir: Path
+    doc: dict | None = field(default=None, repr=False)  # metrics.json (None when the run stopped early)
+    record: dict | None = field(default=None, repr=False)  # run.json
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def metrics(self) -> dict:
+        return (self.doc or {}).get("metrics", {})
+
+    @property
+    def gate(self) -> dict:
+        return (self.doc or {}).get("gate", {})
+
+
+def config(overrides: Sequence[str] = ()) -> Config:
+    """The typed Config the CLI would run for these overrides (validated by Hydra's schemas)."""
+    from quantlab.compose import compose
+
+    return compose(list(overrides))[0]
+
+
+def run(overrides: Sequence[str] | Config = (), run_dir: str | Path | None = None) -> RunResult:
+    """Run one configuration (overrides, or a Config) into run_dir (default outputs/<time>_api)."""
+    from dataclasses import asdict
+
+    from quantlab.compose import compose
+    from quantlab.pipeline import run_pipeline
+
+    if isinstance(overrides, Config):
+        cfg, snapshot, argv = overrides, asdict(overrides), []
+    else:
+        argv = list(overrides)
+        cfg, snapshot = compose(argv)
+    run_dir = Path(run_dir) if run_dir else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S_api")
+    code = run_pipeline(cfg, run_dir.resolve(), snapshot, argv)
+
+    def read(name):
+        path = run_dir / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    return RunResult(code, run_dir, read("metrics.json"), read("run.json"))
+
+
+def plan(overrides: Sequence[str]):
+    """The plan of a run or sweep (a list of quantlab.plan.RunPlan): per step cached / build / shared, with time
+    estimates from earlier builds on this machine. Nothing is built or written."""
+    from quantlab.plan import make_plan
+
+    return make_plan(list(overrides))[0]
+
+
+def evaluate_checkpoint(checkpoint: str | Path, precision: str, model_path: str | None = None, kv_cache: str = "none",
+                        overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> RunResult:
+    """Evaluate a checkpoint exported elsewhere (hf_ptq, an earlier run) against its unquantized model."""
+    args = [f"precision={precision}", f"kv_cache={kv_cache}", f"engine.checkpoint={checkpoint}"]
+    if model_path:
+        args.append(f"model.path={model_path}")
+    return run([*args, *overrides], run_dir)

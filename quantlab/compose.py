@@ -1,0 +1,70 @@
+"""Hydra wiring: the schemas in the ConfigStore, and composing a typed Config from overrides the way the CLI does.
+
+Precision and engine are config groups whose options extend a schema stored here from the registries
+(`_schema_fp8`, `_schema_torch`, ...), so Hydra itself validates every key of the chosen option.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from quantlab.config import Config, calib_data_dir, conf_dir
+from quantlab.engines.registry import ENGINE_SCHEMAS
+from quantlab.errors import QuantlabError
+from quantlab.precisions import PRECISION_SCHEMAS
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Register schemas and the calib_data/ recipes in Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for name, schema in PRECISION_SCHEMAS.items():
+        cs.store(group="precision", name=f"_schema_{name}", node=schema)
+    for name, schema in ENGINE_SCHEMAS.items():
+        cs.store(group="engine", name=f"_schema_{name}", node=schema)
+    for recipe in sorted(calib_data_dir().glob("*.yaml")):
+        cs.store(group="calib_data", name=recipe.stem, node=OmegaConf.load(recipe))
+    _registered = True
+
+
+def group_options(group: str) -> list[str]:
+    """The options a config group offers (YAML files; schemas starting with _ are not options)."""
+    if group == "calib_data":
+        return sorted(p.stem for p in calib_data_dir().glob("*.yaml"))
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def normalize(overrides: Sequence[str]) -> list[str]:
+    """`+precision=fp8` (the spelling the docs have always used) selects the precision group option like
+    `precision=fp8`: precision is in the defaults list, so Hydra would refuse a second one."""
+    out = []
+    for arg in overrides:
+        if arg.startswith("+precision=") or arg.startswith("++precision="):
+            arg = arg.lstrip("+")
+        out.append(arg)
+    return out
+
+
+def compose(overrides: Sequence[str]) -> tuple[Config, dict]:
+    """(typed Config, its plain snapshot) exactly as the CLI composes it, for the Python API and tests."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            dict_cfg = hydra_compose("config", overrides=normalize(overrides))
+        return OmegaConf.to_object(dict_cfg), OmegaConf.to_container(dict_cfg, resolve=False)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise QuantlabError(f"the configuration does not compose: {str(exc).splitlines()[0]}",
+                            fix="check the overrides (python -m quantlab --help lists the groups)") from None

@@ -1,0 +1,119 @@
+"""Engine registry: each engine's config schema beside the facts about it.
+
+`runs` says what an engine executes, and so what identifies its outputs:
+- "checkpoint": the exported files (torch, trtllm): keyed by the checkpoint's fingerprint, built from its path;
+- "calibrated": ModelOpt's fake-quant model (fakequant and the attribution rungs): keyed by the calibrated state;
+- "model": the unquantized model itself (reference, a control run).
+`supports(quant_algo)` and `available()` answer preflight's questions; `build` is imported only when an engine is
+built. Adding an engine is one schema, one EngineSpec and one YAML in conf/engine/.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from quantlab.config import EngineConfig
+from quantlab.registry import Registry
+
+RUNS = ("checkpoint", "calibrated", "model")
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+@dataclass
+class TorchEngineConfig(EngineConfig):
+    """quantlab's engine: the exported checkpoint with deployment numerics (FP8 / INT8 / INT4 GEMMs, FP8 KV)."""
+
+    checkpoint: Optional[str] = None  # evaluate this exported checkpoint instead of quantizing (e.g. from hf_ptq)
+
+
+@dataclass
+class FakequantEngineConfig(EngineConfig):
+    """ModelOpt's simulated quantization of the calibrated model (what calibration produced, not what ships)."""
+
+
+@dataclass
+class ReferenceEngineConfig(EngineConfig):
+    """The unquantized model as its own candidate: a control run that must pass every gate."""
+
+
+@dataclass
+class TrtllmEngineConfig(EngineConfig):
+    """TensorRT-LLM's LLM API on the exported checkpoint (where tensorrt_llm imports)."""
+
+    checkpoint: Optional[str] = None
+    tensor_parallel_size: int = 1
+    trtllm_backend: str = "pytorch"  # pytorch | tensorrt
+
+
+# ---------------------------------------------------------------------------------------------- entries
+def _always() -> str | None:
+    return None
+
+
+def _all_algos(_: str) -> bool:
+    return True
+
+
+def _torch_supports(quant_algo: str) -> bool:
+    from quantlab.engines.qlayers import QLAYERS
+
+    return quant_algo in QLAYERS
+
+
+def _trtllm_available() -> str | None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        from quantlab.engines.trtllm import INSTALL_HINT
+
+        return "engine=trtllm needs TensorRT-LLM, which is not installed here\n  fix: " + INSTALL_HINT
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    schema: type | None  # None: internal, not selectable with engine=NAME
+    runs: str  # one of RUNS
+    build: str  # "module:function", called as fn(engine_cfg, inputs, limits) -> Engine
+    description: str
+    supports: Callable[[str], bool] = field(default=_all_algos, compare=False)
+    available: Callable[[], str | None] = field(default=_always, compare=False)  # None, or why not (with the fix)
+    identity: Callable[[Any], dict] = field(default=lambda cfg: {}, compare=False)  # options that change outputs
+
+    @property
+    def public(self) -> bool:
+        return self.schema is not None
+
+    def builder(self) -> Callable:
+        module, _, fn = self.build.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+ENGINES: Registry[EngineSpec] = Registry("engine", "engine=NAME")
+ENGINES.add("torch", EngineSpec("torch", TorchEngineConfig, "checkpoint", "quantlab.engines.torch_engine:build",
+                                "the exported checkpoint with deployment numerics", supports=_torch_supports))
+ENGINES.add("trtllm", EngineSpec("trtllm", TrtllmEngineConfig, "checkpoint", "quantlab.engines.trtllm:build",
+                                 "TensorRT-LLM's LLM API on the exported checkpoint", available=_trtllm_available,
+                                 identity=lambda cfg: {"backend": cfg.trtllm_backend}))
+ENGINES.add("fakequant", EngineSpec("fakequant", FakequantEngineConfig, "calibrated", "quantlab.engines.fakequant:plain",
+                                    "ModelOpt's fake-quant model as calibrated"))
+ENGINES.add("reference", EngineSpec("reference", ReferenceEngineConfig, "model", "quantlab.engines.hf:reference",
+                                    "the unquantized model (control run)"))
+# attribution rungs (eval.attribution=true): not selectable, evaluated beside the engine under test
+ENGINES.add("fakequant_exported", EngineSpec("fakequant_exported", None, "calibrated",
+                                             "quantlab.engines.fakequant:as_exported",
+                                             "fake-quant after the transformations export applies"))
+ENGINES.add("fakequant_jitter", EngineSpec("fakequant_jitter", None, "calibrated",
+                                           "quantlab.engines.fakequant:jittered",
+                                           "fake-quant as exported under rounding-sized input noise (the floor)"))
+ATTRIBUTION_RUNGS = ("fakequant", "fakequant_exported", "fakequant_jitter")
+ENGINE_SCHEMAS: dict[str, type] = {name: e.schema for name, e in ENGINES.items() if e.public}
+
+
+def engine_of(cfg: EngineConfig) -> EngineSpec:
+    """The registry entry of an engine config, found by its type."""
+    entry = ENGINES.find(lambda e: e.schema is type(cfg))
+    if entry is None:
+        raise ValueError(f"{type(cfg).__name__} is not a registered engine schema")
+    return entry

@@ -1,0 +1,290 @@
+"""The run as a list of declared steps: the only place that knows a run's shape.
+
+`steps_for(ctx)` returns the steps of one run in order. Each Step says how its cache key is formed (from the keys
+and fingerprints of other steps), how it is built, how its value is loaded, which steps its build reads (`needs`)
+and what its build time depends on (`work`). Two interpreters read the same list:
+
+- quantlab.pipeline executes it: `Executor.value(name)` loads or builds a step on demand, so a step is built only
+  when a target needs it (the calibration is not redone when the export is cached);
+- quantlab.plan prices it: `Pricer` computes the same keys without building anything and says per step whether it
+  is cached, to be built, shared with an earlier run of the sweep, or not needed.
+
+`stop_after` cuts the list after a stage. A new stage is one more Step here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantlab import costs
+from quantlab.artifacts import Artifact, ArtifactStore, Built
+from quantlab.config import STAGES
+from quantlab.engines.registry import ENGINES
+from quantlab.step import Pending, RunContext, Step
+
+log = logging.getLogger("quantlab")
+
+
+# ------------------------------------------------------------------------------------------------ steps
+def steps_for(ctx: RunContext) -> list[Step]:
+    """The run's steps in order, cut after cfg.stop_after."""
+    from quantlab.stages import data, evaluate, export, prepare, quantize
+
+    cfg = ctx.cfg
+    steps = [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)]
+    if ctx.engine.runs != "model" or cfg.stop_after in ("quantize", "export"):
+        steps.append(quantize.step(ctx))
+        steps.append(export.external_step(ctx) if ctx.external_checkpoint else export.step(ctx))
+    steps.append(evaluate.reference_step(ctx))
+    steps.append(evaluate.engine_build_step(ctx))
+    steps += [evaluate.candidate_step(ctx, ENGINES[name]) for name in ctx.candidates()]
+    return cut(steps, cfg.stop_after)
+
+
+def cut(steps: list[Step], stop_after: str | None) -> list[Step]:
+    """Steps up to and including stop_after's stage; the engine build only when the run stops there."""
+    last = STAGES.index(stop_after) if stop_after else len(STAGES) - 1
+    kept = [s for s in steps if STAGES.index(s.stage) <= last]
+    if stop_after != "build":
+        kept = [s for s in kept if s.stage != "build"]
+    return kept
+
+
+def targets(steps: list[Step]) -> list[str]:
+    """What a run materializes: every step of the last stage kept, and the checkpoint (the report links it)."""
+    last = max(STAGES.index(s.stage) for s in steps)
+    names = [s.name for s in steps if STAGES.index(s.stage) == last or s.stage in ("prepare", "data")]
+    if any(s.name == "export" for s in steps) and "export" not in names:
+        names.insert(len([n for n in names if n.startswith(("prepare", "data"))]), "export")
+    return names
+
+
+class EngineInputsView:
+    """engines.base.EngineInputs over a run being executed: each call loads or builds what the engine runs."""
+
+    def __init__(self, r: "Executor"):
+        self._r = r
+        ctx = r.ctx
+        self.ref, self.device, self.dtype = r.value("prepare"), ctx.device, ctx.dtype
+        self.device_map, self.store = ctx.cfg.model.device_map, ctx.store
+
+    def checkpoint(self):
+        return self._r.value("export")
+
+    def calibrated_model(self):
+        return self._r.value("quantize").fresh()
+
+    def reference_model(self):
+        from quantlab.models import load_model
+
+        return load_model(self.ref, self.device, self.dtype, self.device_map)
+
+
+# ------------------------------------------------------------------------------------------ executor
+class Executor:
+    """Executes steps on demand: value(name) loads or builds a step (and, through its key and build, what it
+    needs). Records, per step, its artifact and its own seconds (nested builds are subtracted)."""
+
+    def __init__(self, ctx: RunContext, steps: list[Step]):
+        self.ctx = ctx
+        self.steps = {s.name: s for s in steps}
+        self.values: dict[str, Any] = {}
+        self.artifacts: dict[str, Artifact] = {}
+        self.keys: dict[str, str | None] = {}
+        self.seconds: dict[str, float] = {}
+        self._clock: list[float] = []  # nested time per active step
+        self._building: list[Step] = []
+
+    @property
+    def store(self) -> ArtifactStore:
+        return self.ctx.store
+
+    def has(self, name: str) -> bool:
+        return name in self.steps
+
+    def key(self, name: str) -> str | None:
+        if name not in self.keys:
+            self.keys[name] = self.steps[name].key(self)
+        return self.keys[name]
+
+    def fingerprint(self, name: str) -> str:
+        value = self.value(name)
+        art = self.artifacts.get(name)
+        return art.fingerprint if art is not None else value.fingerprint
+
+    @contextmanager
+    def _timed(self, name: str):
+        start = time.time()
+        self._clock.append(0.0)
+        try:
+            yield
+        finally:
+            nested = self._clock.pop()
+            total = time.time() - start
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + total - nested, 3)
+            if self._clock:
+                self._clock[-1] += total
+
+    def value(self, name: str) -> Any:
+        if name in self.values:
+            return self.values[name]
+        step = self.steps[name]
+        if self._building and name not in self._building[-1].needs and not step.cheap:
+            raise AssertionError(f"step {self._building[-1].name} read {name}, which it does not declare in needs")
+        with self._timed(name):
+            if step.source:
+                value = step.load(None, self, None)
+            else:
+                key = self.key(name)
+                if key is None:  # an action: run it each time
+                    value = step.build(None, self)
+                else:
+                    art, built = self.store.get_or_build(step.directory, key, lambda out: self._build(step, out),
+                                                         step.manifest(self), describe=step.describe or name,
+                                                         cost=step.work(self) if step.work else None)
+                    self.artifacts[name] = art
+                    value = step.load(art, self, built)
+        self.values[name] = value
+        return value
+
+    def _build(self, step: Step, out: Path):
+        self._building.append(step)
+        start, nested_before = time.time(), self._clock[-1]
+        try:
+            result = step.build(out, self)
+        finally:
+            self._building.pop()
+        built = result if isinstance(result, Built) else Built(result or {})
+        upstream = self._clock[-1] - nested_before  # time spent making inputs belongs to their own steps
+        if upstream > 0:
+            built.info.setdefault("upstream_seconds", round(min(upstream, time.time() - start), 3))
+        return built
+
+    def run(self, names: list[str]) -> None:
+        for name in names:
+            self.value(name)
+
+
+# -------------------------------------------------------------------------------------------- pricer
+@dataclass
+class Priced:
+    name: str
+    stage: str
+    key: str
+    status: str  # cached | build | shared | local | external | not needed | run
+    estimate: costs.Estimate | None = None
+    placeholder: bool = False  # an input is not built yet, so the real key is known only during the run
+
+
+class Pricer:
+    """Prices steps without building: same keys as the executor, fingerprints of artifacts not built yet are
+    placeholders ("pending:<key>"), and a step is 'build' when a target needs it and the store lacks it."""
+
+    def __init__(self, ctx: RunContext, steps: list[Step], history: list[dict], seen: set):
+        self.ctx = ctx
+        self.steps = {s.name: s for s in steps}
+        self.order = [s.name for s in steps]
+        self.history, self.seen = history, seen
+        self.keys: dict[str, str | None] = {}
+        self.found: dict[str, Artifact | None] = {}
+        self.loaded: dict[str, Any] = {}
+        self.status: dict[str, str] = {}
+        self.placeholder: set[str] = set()  # keys formed from inputs not built yet
+        self._forming: list[str] = []  # steps whose keys are being formed
+
+    @property
+    def store(self) -> ArtifactStore:
+        return self.ctx.store
+
+    def has(self, name: str) -> bool:
+        return name in self.steps
+
+    def key(self, name: str) -> str | None:
+        if name not in self.keys:
+            self._forming.append(name)
+            try:
+                self.keys[name] = self.steps[name].key(self)
+            except Pending:
+                self.keys[name] = f"pending:{name}"
+                self.placeholder.add(name)
+            finally:
+                self._forming.pop()
+        if name in self.placeholder:
+            self.placeholder.update(self._forming)
+        return self.keys[name]
+
+    def _artifact(self, name: str) -> Artifact | None:
+        if name not in self.found:
+            step, key = self.steps[name], self.key(name)
+            pending = key is None or key.startswith("pending:")
+            self.found[name] = None if pending or step.source else self.store.load(step.directory, key, verify=False)
+        return self.found[name]
+
+    def fingerprint(self, name: str) -> str:
+        step = self.steps[name]
+        if step.source:
+            return self.value(name).fingerprint
+        art = self._artifact(name)
+        self.demand(name)
+        if art is None:
+            self.placeholder.update(self._forming)
+            return f"pending:{self.key(name)}"
+        return art.fingerprint
+
+    def value(self, name: str) -> Any:
+        """Values of cheap steps that exist (model refs, token sets); Pending otherwise."""
+        if name in self.loaded:
+            return self.loaded[name]
+        step = self.steps[name]
+        if step.source:
+            value = step.load(None, self, None)
+        else:
+            art = self._artifact(name)
+            if art is None or not step.cheap:
+                self.placeholder.update(self._forming)
+                raise Pending(name)
+            value = step.load(art, self, None)
+        self.loaded[name] = value
+        return value
+
+    def demand(self, name: str) -> None:
+        """The run will materialize `name`: cached, or built (and then so is what its build reads)."""
+        if name in self.status:
+            return
+        step = self.steps[name]
+        if step.source:
+            self.status[name] = step.source
+            return
+        key = self.key(name)
+        if key is None:
+            self.status[name] = "run"
+        elif self._artifact(name) is not None:
+            self.status[name] = "cached"
+        else:
+            self.status[name] = "shared" if (step.directory, key) in self.seen else "build"
+        if self.status[name] in ("build", "run"):
+            for need in step.needs:
+                self.demand(need)
+
+    def price(self, target_names: list[str]) -> list[Priced]:
+        for name in target_names:
+            self.demand(name)
+        out = []
+        for name in self.order:
+            step, key = self.steps[name], self.key(name) or "-"
+            status = self.status.get(name, "not needed")
+            estimate = None
+            if status == "build" and step.work is not None:
+                try:
+                    want = step.work(self)
+                except Pending:
+                    want = None
+                estimate = costs.estimate(self.history, step.directory, want) if want else costs.Estimate(None, "?")
+            if status == "build":
+                self.seen.add((step.directory, key))
+            out.append(Priced(name, step.stage, key, status, estimate, name in self.placeholder))
+        return out
