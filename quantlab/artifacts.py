@@ -141,7 +141,7 @@ class ArtifactStore:
         self,
         stage: str,
         key: str,
-        build: Callable[[Path], "dict | Built"],
+        build: Callable[[Path], dict | Built],
         manifest_extra: dict,
         describe: str = "",
         cost: dict | None = None,

@@ -160,9 +160,8 @@ def _pin_sweep_dir(args: list[str]) -> tuple[list[str], Path]:
     given = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra.sweep.dir=")), None)
     sweep = given if given and "${" not in given else time.strftime("outputs/sweep_%Y-%m-%d_%H-%M-%S")
     if given and "${" in given:
-        from omegaconf import OmegaConf
-
         import hydra.core.utils  # noqa: F401 - registers the ${now:} resolver
+        from omegaconf import OmegaConf
 
         sweep = OmegaConf.create({"d": given}).d
     args = [a for a in args if not a.lstrip("+").startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir={sweep}"]

@@ -12,7 +12,7 @@ from quantlab.errors import QuantlabError
 LIBRARIES = ("torch", "transformers", "nvidia-modelopt", "tensorrt_llm", "quantlab")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def versions() -> dict[str, str | None]:
     out = {}
     for name in LIBRARIES:
@@ -23,7 +23,7 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def git_commit() -> str | None:
     repo = Path(__file__).resolve().parent.parent
     try:

@@ -66,7 +66,7 @@ def targets(steps: list[Step]) -> list[str]:
 class EngineInputsView:
     """engines.base.EngineInputs over a run being executed: each call loads or builds what the engine runs."""
 
-    def __init__(self, r: "Executor"):
+    def __init__(self, r: Executor):
         self._r = r
         ctx = r.ctx
         self.ref, self.device, self.dtype = r.value("prepare"), ctx.device, ctx.dtype

@@ -14,7 +14,6 @@ import numpy as np
 
 from quantlab.registry import Registry
 
-
 METRICS_SCHEMA = "quantlab.metrics/1"  # the schema string of metrics.json (quantlab.report.documents.MetricsDoc)
 
 

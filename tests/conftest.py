@@ -24,6 +24,7 @@ FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.s
 
 def _train_tokenizer(out: Path) -> None:
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,8 +42,9 @@ def _train_tokenizer(out: Path) -> None:
 def _train(model, tok_dir: Path, steps: int = 120) -> None:
     """A few hundred ms of AdamW on pydoc text: a random model is near-uniform, a trained one is peaked like
     a real LM, which is what quantization error should be measured on."""
-    import torch
     from pydoc_data.topics import topics
+
+    import torch
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -47,7 +47,7 @@ EVAL = Role("eval", "test", sampled=False)
 class TokenSet:
     role: str  # calib | eval
     fingerprint: str
-    tokens: "object"  # torch.LongTensor [n_windows, seq_len]
+    tokens: object  # torch.LongTensor [n_windows, seq_len]
     info: dict
 
     @property

@@ -17,10 +17,10 @@ from quantlab import costs
 from quantlab.artifacts import Artifact, Built
 from quantlab.checkpoint import tensor_index
 from quantlab.env import Device, versions
-from quantlab.step import RunContext, Step
 from quantlab.models import ModelRef, load_model, quantized_in_dims
 from quantlab.precisions import describe, modelopt_config, resolve_block_size
 from quantlab.stages.data import TokenSet
+from quantlab.step import RunContext, Step
 
 log = logging.getLogger("quantlab")
 
