@@ -24,6 +24,11 @@ class Fp8Config(PrecisionConfig):
 
 
 @dataclass
+class Fp8PcPtConfig(PrecisionConfig):
+    """W8A8 FP8 E4M3 with per-output-channel weight scales and dynamic per-token activation scales."""
+
+
+@dataclass
 class Int8SqConfig(PrecisionConfig):
     """W8A8 INT8 SmoothQuant: per-channel weights, per-tensor static activations."""
 
@@ -73,6 +78,8 @@ def _smoothquant_alpha(cfg: dict, precision: Int8SqConfig) -> None:
 
 PRECISIONS: Registry[Precision] = Registry("precision", "+precision=NAME")
 PRECISIONS.add("fp8", Precision("fp8", Fp8Config, "FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer", 8))
+PRECISIONS.add("fp8_pc_pt", Precision("fp8_pc_pt", Fp8PcPtConfig, "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+                                      "FP8_PER_CHANNEL_PER_TOKEN", (8, 9), "Ada / Hopper or newer", 8, scale_bits=32))
 PRECISIONS.add("int8_sq", Precision("int8_sq", Int8SqConfig, "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", None,
                                     "any", 8, scale_bits=32, adjust=_smoothquant_alpha))
 PRECISIONS.add("int4_awq", Precision("int4_awq", Int4AwqConfig, "INT4_AWQ_CFG", "W4A16_AWQ", None, "any", 4,

@@ -38,6 +38,23 @@ def test_fp8_linear_matches_float64_math():
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_per_channel_per_token_linear_matches_float64_math():
+    g = _rng()
+    n, k = 40, 64
+    w = torch.randn(n, k, generator=g)
+    ws = w.abs().amax(1) / 448  # one scale per output channel
+    w8 = (w / ws[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(3, 5, k, generator=g) * torch.rand(3, 5, 1, generator=g) * 4
+    x[0, 0] = 0.0  # an all-zero token keeps scale 1 (ModelOpt's convention), and stays zero
+    layer = qlayers.Fp8PcPtLinear(w8, ws, None, native=False)
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = 448.0 / torch.where(amax <= 2**-24, torch.ones_like(amax), amax)
+    xq = (x * inv).clamp(-448, 448).to(torch.float8_e4m3fn).double()  # per-token quantize, as defined, in fp32
+    ref = (xq / inv.double()) @ (w8.double() * ws.double()[:, None]).t()
+    assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(layer(x)[0, 0], torch.zeros(n))
+
+
 def test_int8_sq_linear_matches_float64_math():
     g = _rng()
     n, k = 40, 64
@@ -81,7 +98,7 @@ def test_fp8_kv_qdq_round_trip():
 
 ENGINE_CASES = [("llama", "fp8", "none"), ("llama", "fp8", "fp8"), ("llama", "int8_sq", "none"),
                 ("llama", "int4_awq", "fp8"), ("qwen2", "fp8", "none"), ("qwen2", "int8_sq", "fp8"),
-                ("qwen2", "int4_awq", "none")]
+                ("qwen2", "int4_awq", "none"), ("qwen2", "fp8_pc_pt", "fp8")]
 
 
 @pytest.mark.parametrize("family,precision,kv", ENGINE_CASES)

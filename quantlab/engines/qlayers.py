@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, name: str, out_features: int, in_features: int, has_bias: bool, t: CheckpointTensors,
-                        fmt: LayerFormat, ctx: LayerContext) -> "QuantLinear":
+                        fmt: LayerFormat, ctx: LayerContext) -> QuantLinear:
         """Build the layer `name` from the exported tensors (dtype and shape checked, scales positive and finite)."""
         raise NotImplementedError
 
@@ -173,6 +173,42 @@ class Fp8Linear(QuantLinear):
                                    scale_b=self.weight_scale, out_dtype=out_dtype)
             return out[:rows]
         return (xq.float() @ self.weight_f32.t()) * (self.input_scale * self.weight_scale)
+
+
+class Fp8PcPtLinear(QuantLinear):
+    """FP8 E4M3 weights with one scale per output channel; activations quantized per token at run time
+    (scale = amax(|x_row|) / 448, a zero row keeps scale 1). torch._scaled_mm with row-wise scales on GPUs with
+    FP8, exact emulation elsewhere."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, native: bool):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.native = native
+        self.kernel = "torch._scaled_mm (fp8, row-wise scales)" if native else "fp8 per-token emulation (fp32 accumulate)"
+        self.register_buffer("weight", weight)  # float8_e4m3fn [N, K]
+        self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1))
+        if not native:
+            self.register_buffer("weight_f32", weight.float())
+
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        return cls(t.get(f"{name}.weight", torch.float8_e4m3fn, (out_features, in_features)),
+                   cls._scale(f"{name}.weight_scale", t, (out_features,)), cls._bias(name, out_features, has_bias, t),
+                   ctx.native_fp8)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale.reshape(-1, 1)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.float().abs().amax(-1, keepdim=True)
+        amax = torch.where(amax <= 1.0 / (1 << 24), torch.ones_like(amax), amax)
+        inv = FP8_MAX / amax
+        xq = (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if self.native:
+            rows = xq.shape[0]
+            out = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=_pad_rows(1.0 / inv, 16),
+                                   scale_b=self.weight_scale, out_dtype=torch.bfloat16)
+            return out[:rows].float()
+        return (xq.float() @ self.weight_f32.t()) * (1.0 / inv) * self.weight_scale
 
 
 class Int8SqLinear(QuantLinear):
@@ -243,6 +279,7 @@ class Int4AwqLinear(QuantLinear):
 QLAYERS: Registry[type[QuantLinear]] = Registry("quantized layer format", "a checkpoint's quant_algo")
 QLAYERS.add("FP8", Fp8Linear)
 QLAYERS.add("W8A8_SQ_PER_CHANNEL", Int8SqLinear)
+QLAYERS.add("FP8_PER_CHANNEL_PER_TOKEN", Fp8PcPtLinear)
 QLAYERS.add("W4A16_AWQ", Int4AwqLinear)
 
 
