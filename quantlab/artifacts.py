@@ -8,6 +8,7 @@ mismatch is reported and the entry rebuilt, never used.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from filelock import FileLock, Timeout
+
+from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
 
@@ -94,10 +97,42 @@ class Artifact:
         return self.manifest.get("info", {})
 
 
+def _no_room(exc: OSError, where: Path) -> QuantlabError | None:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QuantlabError(f"no space left on the device of the cache {where}",
+                             fix="free space (python -m quantlab.cache prune --older-than DAYS) or set cache_dir / "
+                                 "$QUANTLAB_CACHE to a disk with room")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return QuantlabError(f"the cache {where} is not writable ({exc.strerror})",
+                             fix="set cache_dir (or $QUANTLAB_CACHE) to a writable directory")
+    return None
+
+
+def _disk_full(root: Path, margin: int = 1 << 20) -> bool:
+    """True when the cache's device has less than `margin` bytes free (writers other than Python's own, such as
+    safetensors' Rust code, report a full disk in their own words)."""
+    try:
+        return shutil.disk_usage(root).free < margin
+    except OSError:
+        return False
+
+
 class ArtifactStore:
+    """The content-addressed store (see the module docstring); `events` records what this process built or reused."""
+
     def __init__(self, root: Path | str | None = None):
         self.root = Path(root).expanduser() if root else default_cache_dir()
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise QuantlabError(f"the cache {self.root} is a file, not a directory",
+                                fix="set cache_dir (or $QUANTLAB_CACHE) to a directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise (_no_room(exc, self.root) or QuantlabError(f"the cache {self.root} cannot be created ({exc.strerror})",
+                                                             fix="set cache_dir to a writable directory")) from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise QuantlabError(f"the cache {self.root} is not writable",
+                                fix="set cache_dir (or $QUANTLAB_CACHE) to a writable directory")
         self.events: list[tuple[str, str, str]] = []  # (stage, key, "built" | "reused"), for the run log
 
     def key(self, stage: str, **parts: Any) -> str:
@@ -106,7 +141,8 @@ class ArtifactStore:
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key
 
-    def _lock(self, stage: str, key: str) -> FileLock:
+    def lock(self, stage: str, key: str) -> FileLock:
+        """The per-key lock builds hold (and cache prune takes before removing an entry)."""
         lock_dir = self.root / ".locks"
         lock_dir.mkdir(exist_ok=True)
         return FileLock(str(lock_dir / f"{stage}-{key}.lock"))
@@ -157,7 +193,7 @@ class ArtifactStore:
             self.events.append((stage, key, "reused"))
             log.info("%s: reusing %s", stage, found.path)
             return found, None
-        lock = self._lock(stage, key)
+        lock = self.lock(stage, key)
         try:
             lock.acquire(timeout=1)
         except Timeout:
@@ -172,8 +208,8 @@ class ArtifactStore:
                 log.info("%s: removing the unfinished build %s left by an interrupted run", stage, stale.name)
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = self.root / ".tmp" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir(parents=True)
             try:
+                tmp.mkdir(parents=True)
                 start = time.time()
                 result = build(tmp)
                 built = result if isinstance(result, Built) else Built(result or {})
@@ -203,6 +239,14 @@ class ArtifactStore:
                 if final.exists():  # a damaged leftover without a manifest
                     self._discard(final)
                 os.replace(tmp, final)
+            except Exception as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                mapped = _no_room(exc, self.root) if isinstance(exc, OSError) else None
+                if mapped is None and not isinstance(exc, QuantlabError) and _disk_full(self.root):
+                    mapped = _no_room(OSError(errno.ENOSPC, "no space"), self.root)  # raised by a library
+                if mapped is not None:
+                    raise mapped from None
+                raise
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

@@ -100,8 +100,7 @@ def _check_key(path: list[str], full: str, choices: _Choices) -> None:
 
 
 def check_argv(args: list[str]) -> list[str]:
-    """Validate overrides before Hydra composes; returns argv with `+precision=X` spelled `precision=X` and gate
-    dict entries spelled so that Hydra may add them."""
+    """Validate overrides before Hydra composes; returns them normalized (quantlab.compose.normalize)."""
     args = normalize(args)
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -129,13 +128,10 @@ def check_argv(args: list[str]) -> list[str]:
     if "precision" not in chosen:
         raise QuantlabError("no precision chosen", fix=f"add +precision=fp8 (or one of {', '.join(PRECISION_SCHEMAS)})")
     choices = _Choices(chosen)
-    out = list(args)
     for ov in keyed:
         key = ov.key_or_group
         _check_key(key.split("."), key, choices)
-        if key.startswith(("gate.thresholds.", "gate.per_precision.")) and not ov.is_add() and not ov.is_force_add():
-            out[out.index(ov.input_line)] = "++" + ov.input_line  # add or override a dict entry
-    return out
+    return args
 
 
 def check_output_dir(args: list[str]) -> None:

@@ -42,12 +42,16 @@ def group_options(group: str) -> list[str]:
 
 
 def normalize(overrides: Sequence[str]) -> list[str]:
-    """`+precision=fp8` (the spelling the docs have always used) selects the precision group option like
-    `precision=fp8`: precision is in the defaults list, so Hydra would refuse a second one."""
+    """Spellings Hydra would refuse, made what the user meant:
+    - `+precision=fp8` (the spelling the docs have always used) selects the group option like `precision=fp8`
+      (precision is in the defaults list, so Hydra would refuse a second one);
+    - `gate.thresholds.METRIC.max=V` adds or overrides a gate entry (`++`), whether or not the gate file has it."""
     out = []
     for arg in overrides:
         if arg.startswith("+precision=") or arg.startswith("++precision="):
             arg = arg.lstrip("+")
+        elif arg.startswith(("gate.thresholds.", "gate.per_precision.")):
+            arg = "++" + arg
         out.append(arg)
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import MISSING
 
@@ -60,7 +60,8 @@ class ModelConfig:
 class DataConfig:
     """A data recipe (calib_data/*.yaml). Source: `path` if set, else `dataset`, else Python's pydoc text."""
 
-    path: Optional[str] = None  # local .txt / .jsonl / .json / .csv / .parquet file
+    path: Optional[str] = None  # local text / .jsonl / .json / .csv / .tsv / .parquet file
+    format: str = "auto"  # auto (by suffix) | text | jsonl | json | csv | tsv | parquet
     dataset: Optional[str] = None  # HF `datasets` name, used only where it is available locally
     dataset_config: Optional[str] = None
     split: Optional[str] = None  # default: train for calibration, test for evaluation
@@ -75,14 +76,16 @@ class DataConfig:
 @dataclass
 class CalibConfig(DataConfig):
     num_samples: int = 32
+    pool_windows: int = 1024  # windows are drawn from the first pool_windows windows (reading stops there)
     batch_size: int = 16  # AWQ-lite searches per batch: fewer, larger batches calibrate faster (bench/RESULTS.md)
 
 
 @dataclass
 class EvalConfig(DataConfig):
-    max_windows: Optional[int] = 24  # cap on evaluation windows; null = every full window
+    # cap on evaluation windows (the sequential gate stops earlier once every check is decided); null = every
+    # full window of the text
+    max_windows: Optional[int] = 64
     batch_size: int = 4
-    topk: int = 64  # reference distribution kept per position for KL (top-k + one tail bin)
     gen_prompts: int = 4  # greedy-generation agreement: number of prompts (0 = off)
     gen_prompt_len: int = 32
     gen_tokens: int = 32
@@ -115,21 +118,29 @@ class EngineConfig:
 class Threshold:
     min: Optional[float] = None
     max: Optional[float] = None
+    bucket: Optional[str] = None  # worst: every position bucket must pass (0-128, 128-512, 512-2k, ...); or one label
 
 
 @dataclass
 class StatisticalGate:
-    """TensorRT-LLM accuracy-suite style test on per-window NLL (windows are the independent units)."""
+    """The statistical design every threshold is tested with (quantlab.stats): one-sided alpha (passing a candidate
+    that sits on the threshold), beta (failing one better than it by the reported minimum detectable effect), and
+    the group-sequential looks: every `look_windows` windows up to the cap, Lan-DeMets alpha spending."""
 
-    enabled: bool = True
     alpha: float = 0.05
     beta: float = 0.2
+    sequential: bool = True  # false: one look at the cap (a fixed-n design)
+    look_windows: int = 8
+    spending: str = "pocock"  # pocock | obf | hsd (Hwang-Shih-DeCani with gamma)
+    gamma: float = -2.0
 
 
 @dataclass
 class GateConfig:
-    thresholds: Dict[str, Threshold] = field(default_factory=dict)
-    per_precision: Dict[str, Dict[str, Threshold]] = field(default_factory=dict)
+    # metric -> Threshold fields (min / max / bucket). Plain dicts so a threshold on a new metric can be added from
+    # the command line (++gate.thresholds.kl_p99.max=0.5); quantlab.stages.gate validates every key and value.
+    thresholds: Dict[str, Any] = field(default_factory=dict)
+    per_precision: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     statistical: StatisticalGate = field(default_factory=StatisticalGate)
     baseline: Optional[str] = None  # metrics.json of an earlier release: regression check
     baseline_alpha: float = 0.05

@@ -17,3 +17,21 @@ class QuantlabError(Exception):
         self.problem = message
         self.fix = fix
         super().__init__(message if fix is None else f"{message}\n  fix: {fix}")
+
+
+def cli_guard(main, argv=None) -> int:
+    """Run an auxiliary CLI's main(argv) under the main CLI's exit-code contract: a QuantlabError is one paragraph
+    and exit 2, Ctrl-C one line and exit 130, a bug one line and exit 3 (never a traceback wall)."""
+    import sys
+
+    try:
+        return main(argv)
+    except QuantlabError as exc:
+        print(f"quantlab: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("quantlab: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the type and message
+        print(f"quantlab: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_INTERNAL

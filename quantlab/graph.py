@@ -57,7 +57,7 @@ def cut(steps: list[Step], stop_after: str | None) -> list[Step]:
 def targets(steps: list[Step]) -> list[str]:
     """What a run materializes: every step of the last stage kept, and the checkpoint (the report links it)."""
     last = max(STAGES.index(s.stage) for s in steps)
-    names = [s.name for s in steps if STAGES.index(s.stage) == last or s.stage in ("prepare", "data")]
+    names = [s.name for s in steps if s.target and (STAGES.index(s.stage) == last or s.stage in ("prepare", "data"))]
     if any(s.name == "export" for s in steps) and "export" not in names:
         names.insert(len([n for n in names if n.startswith(("prepare", "data"))]), "export")
     return names
@@ -194,6 +194,7 @@ class Pricer:
         self.loaded: dict[str, Any] = {}
         self.status: dict[str, str] = {}
         self.placeholder: set[str] = set()  # keys formed from inputs not built yet
+        self.probes: dict[str, str] = {}  # key of the first artifact of steps made of many
         self._forming: list[str] = []  # steps whose keys are being formed
 
     @property
@@ -256,16 +257,32 @@ class Pricer:
         if name in self.status:
             return
         step = self.steps[name]
-        if step.source:
+        if step.probe is not None:
+            self._forming.append(name)
+            try:
+                directory, key = step.probe(self)
+            except Pending:
+                directory, key = step.directory, f"pending:{name}"
+                self.placeholder.add(name)
+            finally:
+                self._forming.pop()
+            self.probes[name] = key
+            if not key.startswith("pending:") and self.store.load(directory, key, verify=False) is not None:
+                self.status[name] = "cached"
+            else:
+                self.status[name] = "shared" if (directory, key) in self.seen else "build"
+                self.seen.add((directory, key))
+        elif step.source:
             self.status[name] = step.source
             return
-        key = self.key(name)
-        if key is None:
-            self.status[name] = "run"
-        elif self._artifact(name) is not None:
-            self.status[name] = "cached"
         else:
-            self.status[name] = "shared" if (step.directory, key) in self.seen else "build"
+            key = self.key(name)
+            if key is None:
+                self.status[name] = "run"
+            elif self._artifact(name) is not None:
+                self.status[name] = "cached"
+            else:
+                self.status[name] = "shared" if (step.directory, key) in self.seen else "build"
         if self.status[name] in ("build", "run"):
             for need in step.needs:
                 self.demand(need)
@@ -275,7 +292,8 @@ class Pricer:
             self.demand(name)
         out = []
         for name in self.order:
-            step, key = self.steps[name], self.key(name) or "-"
+            step = self.steps[name]
+            key = self.probes.get(name) or self.key(name) or "-"
             status = self.status.get(name, "not needed")
             estimate = None
             if status == "build" and step.work is not None:
@@ -284,7 +302,7 @@ class Pricer:
                 except Pending:
                     want = None
                 estimate = costs.estimate(self.history, step.directory, want) if want else costs.Estimate(None, "?")
-            if status == "build":
+            if status == "build" and step.probe is None:
                 self.seen.add((step.directory, key))
             out.append(Priced(name, step.stage, key, status, estimate, name in self.placeholder))
         return out

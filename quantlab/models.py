@@ -34,6 +34,13 @@ class ModelRef:
         return sum(math.prod(meta["shape"]) for meta in read_headers(self.path).values())
 
     @property
+    def vocab_size(self) -> int | None:
+        """Rows of the input embedding (token ids at or above it cannot be looked up)."""
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+        value = text.get("vocab_size")
+        return value if isinstance(value, int) and value > 0 else None
+
+    @property
     def max_positions(self) -> int | None:
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
         value = text.get("max_position_embeddings") or text.get("n_positions") or text.get("max_sequence_length")

@@ -107,20 +107,24 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
     results = {name: run.value(f"evaluate:{name}") for name in ctx.candidates()}
     result = results[ctx.engine.name]
     attribution = evaluate.attribution(results, ctx.engine.name) if len(results) > 1 else None
-    verdict = gate.run(cfg.gate, ctx.precision.name, result.metrics, result.windows, provenance)
-    ref_art = run.values["reference"]
+    thresholds = gate.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
+    verdict = gate.verdict(cfg.gate, thresholds, result.checks, result.design, result.look, result.windows,
+                           result.metrics, provenance)
+    used = result.design.looks[result.look]
     run_info = {"precision": ctx.precision.name, "kv_cache": cfg.kv_cache.dtype, "engine": ctx.engine.name,
                 "model": ref.name, "recipe": record.get("recipe"), "run_dir": str(run_dir),
-                "eval": {"windows": evalset.num_windows, "seq_len": evalset.seq_len, "source": evalset.info["source"],
-                         "topk": cfg.eval.topk},
+                "eval": {"windows": used, "windows_available": evalset.num_windows, "cap": result.design.cap,
+                         "seq_len": evalset.seq_len, "source": evalset.info["source"],
+                         "tokens": used * evalset.seq_len, "kl": "exact over the full vocabulary (reference logits "
+                                                                "recomputed from its cached final hidden states)"},
                 "checkpoint": record["artifacts"].get("export"),
-                "reference_forward_batches": ref_art.info.get("forward_batches", 0)
-                if ("reference", ref_art.key, "built") in ctx.store.events else 0,
-                "candidate_forward_batches": result.forward_batches if result.computed_now else 0}
+                "reference_forward_batches": run.values["reference"].forward_batches,
+                "candidate_forward_batches": result.forward_batches}
     from quantlab.report import documents
     from quantlab.report.render import write_run_reports
 
     doc = documents.metrics_document(run_info, result, verdict, provenance, attribution)
+    run.values["reference"].close()
     ckpt = run.values["export"].path if "export" in run.values else None
     doc["weight_error"] = write_run_reports(run_dir, doc, result.kl_values, ckpt, ref.path)
     documents.write_metrics(run_dir, doc)
@@ -136,7 +140,7 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
 
 def _artifacts(run: Executor) -> dict:
     out = {}
-    for name in ("prepare", "quantize", "export", "reference"):
+    for name in ("prepare", "quantize", "export"):
         if name not in run.values:
             continue
         value, art = run.values[name], run.artifacts.get(name)

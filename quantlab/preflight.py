@@ -40,8 +40,9 @@ def check_config(cfg: Config) -> None:
     precision = precision_of(cfg.precision)
     positive = {
         "calib.num_samples": cfg.calib.num_samples, "calib.seq_len": cfg.calib.seq_len,
-        "calib.batch_size": cfg.calib.batch_size, "eval.seq_len": cfg.eval.seq_len,
-        "eval.batch_size": cfg.eval.batch_size, "eval.topk": cfg.eval.topk,
+        "calib.batch_size": cfg.calib.batch_size, "calib.pool_windows": cfg.calib.pool_windows,
+        "eval.seq_len": cfg.eval.seq_len,
+        "eval.batch_size": cfg.eval.batch_size,
         "engine.max_batch_size": cfg.engine.max_batch_size,
     }
     for knob in ("max_input_len", "max_seq_len", "tensor_parallel_size"):
@@ -87,11 +88,31 @@ def check_config(cfg: Config) -> None:
         from quantlab.engines.trtllm import check_backend
 
         check_backend(cfg.engine)
+    check_options_take_effect(cfg, engine)
     from quantlab.stages.gate import check_gate
 
-    check_gate(cfg.gate, precision.name)  # a typo in a gate fails now, not after the evaluation
+    check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
     if cfg.stop_after is not None and cfg.stop_after not in STAGES:
         raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
+
+
+def check_options_take_effect(cfg: Config, engine) -> None:
+    """An option the chosen engine or mode would ignore is refused, not silently dropped (options that belong to
+    one engine only are already refused by its schema)."""
+    if cfg.eval.attribution and engine.runs != "checkpoint":
+        raise QuantlabError(f"eval.attribution=true splits the loss of an engine that runs the exported checkpoint; "
+                            f"engine={engine.name} runs the {engine.runs} itself",
+                            fix="use engine=torch (or trtllm) with eval.attribution=true, or drop it")
+    if engine.runs == "model" and cfg.kv_cache.dtype != "none":
+        raise QuantlabError(f"kv_cache={cfg.kv_cache.dtype} has no effect on engine=reference, which evaluates the "
+                            "unquantized model", fix="drop kv_cache, or choose the engine under test")
+    if cfg.model.device_map and engine.name == "trtllm":
+        raise QuantlabError("model.device_map places quantlab's own models; TensorRT-LLM splits a model with "
+                            "engine.tensor_parallel_size", fix="drop model.device_map and set engine.tensor_parallel_size")
+    external = getattr(cfg.engine, "checkpoint", None)
+    if external and cfg.stop_after == "quantize":
+        raise QuantlabError("stop_after=quantize with engine.checkpoint: the checkpoint was made elsewhere, so there "
+                            "is nothing to calibrate", fix="drop stop_after=quantize (stop_after=export audits it)")
 
 
 def check_device(cfg: Config, device: Device) -> None:

@@ -42,7 +42,9 @@ class Step:
     store_stage: str | None = None  # artifact directory when it differs from the stage (reference, evaluate)
     describe: str = ""
     cheap: bool = False  # its value may be loaded while planning (model refs, token sets)
-
+    target: bool = True  # materialized by a run that ends at its stage (False: only when another step reads it)
+    probe: Callable[[Any], tuple[str, str]] | None = None  # (directory, key) of the first artifact an uncached
+    # step reads or writes: how the plan tells cached from to-build for steps made of many artifacts
     @property
     def directory(self) -> str:
         return self.store_stage or self.stage

@@ -18,8 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent.parent
 # Small eval / calibration settings: seconds per run on a 2-core CPU.
-FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.seq_len=64", "eval.max_windows=6",
-        "eval.batch_size=3", "eval.gen_prompts=2", "eval.gen_prompt_len=8", "eval.gen_tokens=6", "eval.topk=16"]
+FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.seq_len=64", "eval.max_windows=8",
+        "eval.batch_size=4", "eval.gen_prompts=2", "eval.gen_prompt_len=8", "eval.gen_tokens=6",
+        "gate.statistical.look_windows=4"]
 
 
 def _train_tokenizer(out: Path) -> None:

@@ -97,11 +97,25 @@ def test_sweep_over_precisions_needs_no_block_size_override():
     (["eval.path="], "eval.path is empty"),
     (["stop_after=nowhere"], "is not a stage"),
     (["eval.gen_prompt_len=0"], "needs a prompt of 1 token"),
+    (["++gate.thresholds.kl_mean.bucket=2k-8k"], "reaches only the buckets 0-128, 128-512"),
+    (["++gate.thresholds.kl_mean.bucket=nearby"], "reaches only the buckets"),
+    (["eval.max_windows=4"], "smaller than one look"),
+    (["gate.statistical.look_windows=1"], "a look needs 2 windows"),
+    (["gate.statistical.spending=linear"], "gate.statistical.spending='linear' is unknown"),
+    (["++gate.thresholds.gen_exact_match.min=0.5", "++gate.thresholds.gen_exact_match.bucket=worst"],
+     "generation metrics have no positions"),
 ])
 def test_config_checks(overrides, message):
     base = [] if any(o.startswith("precision=") for o in overrides) else ["+precision=fp8"]
     cfg, _ = compose(base + overrides)
     with pytest.raises(QuantlabError, match=message):
+        check_config(cfg)
+
+
+def test_empty_gate_is_refused():
+    cfg, _ = compose(["+precision=fp8"])
+    cfg.gate.thresholds, cfg.gate.per_precision = {}, {}
+    with pytest.raises(QuantlabError, match="the gate has no checks"):
         check_config(cfg)
 
 

@@ -28,58 +28,57 @@ def _engine(model):
     return HFModelEngine(model, Limits(512, 512, 64), "candidate")
 
 
-def _reference_outputs(cfg, store, ref, evalset):
-    device = resolve_device("cpu")
-    rkey = evaluate.reference_key(store, ref.fingerprint, evalset.fingerprint, cfg.eval, device, torch.float32)
-    art, _ = store.get_or_build("reference", rkey, lambda out: evaluate.write_reference(
-        out, _engine(load_model(ref, device, torch.float32)), evalset, cfg.eval), {})
-    return art
-
-
 def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, shared_cache):
     code = run_api(["+precision=fp8", "engine=reference", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST],
                    tmp_path)
     doc = read_json(tmp_path / "metrics.json")
     m = doc["metrics"]
     assert m["top1_agreement"]["value"] == 1.0
-    assert m["kl_mean"]["value"] == 0.0
+    assert m["kl_mean"]["value"] == 0.0 and m["kl_p99"]["value"] == 0.0
     assert m["ppl_ratio"]["value"] == 1.0
     assert m["gen_exact_match"]["value"] == 1.0
+    assert doc["behaviour"]["flips"]["ref_right_cand_wrong"] == 0
     assert doc["gate"]["passed"] and code == 0
 
 
 def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
+    from quantlab import stats
+
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
-    ref_art = _reference_outputs(cfg, store, ref, evalset)
-    model = load_model(ref, resolve_device("cpu"), torch.float32)
+    device = resolve_device("cpu")
+    model = load_model(ref, device, torch.float32)
     gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layers" in name and p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * p.std() * 3.0)
-    result = evaluate.compare(_engine(model), ref_art, evalset, cfg.eval, tok)
-    verdict = gate.run(cfg.gate, "fp8", result.metrics, result.windows, {})
-    failed = {c["metric"] for c in verdict["checks"] if not c["passed"]}
-    assert not verdict["passed"]
+    w = evaluate.compare_engines(_engine(load_model(ref, device, torch.float32)), _engine(model), evalset.tokens, cfg.eval)
+    design = stats.make_design(w.n, w.n, 0.05, 0.2)
+    checks = gate.evaluate_checks(gate.thresholds_for(cfg.gate, "fp8"), w, None, design, 0)
+    failed = {c.metric for c in checks if c.verdict == "fail"}
     assert {"top1_agreement", "ppl_ratio", "kl_mean"} <= failed
-    assert all("margin" in c and "threshold" in c for c in verdict["checks"])
+    assert all(c.ci and c.mde is not None for c in checks)
 
 
 def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
     from transformers import AutoModelForCausalLM
 
+    from quantlab import metrics
+
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
-    ref_art = _reference_outputs(cfg, store, ref, evalset)
-    result = evaluate.compare(_engine(load_model(ref, resolve_device("cpu"), torch.float32)), ref_art, evalset,
-                              cfg.eval, tok)
+    device = resolve_device("cpu")
+    w = evaluate.compare_engines(_engine(load_model(ref, device, torch.float32)),
+                                 _engine(load_model(ref, device, torch.float32)), evalset.tokens, cfg.eval)
+    m = metrics.summarize(w)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     losses = []
     with torch.no_grad():
         for window in evalset.tokens:
             losses.append(model(window[None], labels=window[None]).loss.item())  # HF shifts labels itself
     direct = math.exp(sum(losses) / len(losses))
-    assert result.metrics["ppl_reference"]["value"] == pytest.approx(direct, rel=1e-4)
-    assert result.metrics["ppl_candidate"]["value"] == pytest.approx(direct, rel=1e-4)
+    assert m["ppl_reference"]["value"] == pytest.approx(direct, rel=1e-4)
+    assert m["ppl_candidate"]["value"] == pytest.approx(direct, rel=1e-4)
+    assert m["kl_mean"]["value"] == 0.0
 
 
 def test_prefix_token_windows_score_every_text_token(tiny_llama, tmp_path):
@@ -93,15 +92,13 @@ def test_prefix_token_windows_score_every_text_token(tiny_llama, tmp_path):
     assert (evalset.tokens[:, 0] == tok.eos_token_id).all()
     for i, window in enumerate(evalset.tokens):
         assert window[1:].tolist() == ids[i * width:(i + 1) * width]
-    ref_art = _reference_outputs(cfg, store, ref, evalset)
-    from safetensors.torch import load_file
-
-    nll = load_file(str(ref_art.path / evaluate.REF_FILE))["nll"]
+    device = resolve_device("cpu")
+    nll = evaluate.reference_arrays(_engine(load_model(ref, device, torch.float32)), evalset.tokens, cfg.eval)["nll"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     with torch.no_grad():
-        for window, ours in zip(evalset.tokens, nll):
+        for window, ours in zip(evalset.tokens, nll, strict=True):
             direct = model(window[None], labels=window[None]).loss.item() * width  # mean over the width text tokens
             assert ours.sum().item() == pytest.approx(direct, rel=1e-5)
 
@@ -131,6 +128,7 @@ def test_baseline_regression_and_refusal(tiny_llama, tiny_qwen2, tmp_path, share
     doc = read_json(tmp_path / "cand" / "metrics.json")
     base_checks = [c for c in doc["gate"]["checks"] if c["kind"] == "baseline"]
     assert len(base_checks) == 3 and code == 1
+    assert doc["gate"]["baseline"]["kl_mean"]["windows"] >= 4
     assert not all(c["passed"] for c in base_checks)
     assert set(doc["gate"]["baseline"]) >= {"top1_agreement", "kl_mean", "dnll_mean", "path"}
     html = (tmp_path / "cand" / "report.html").read_text()

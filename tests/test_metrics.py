@@ -1,4 +1,4 @@
-"""Golden values and properties that pin the metric definitions (pure functions, fresh random inputs)."""
+"""Golden values and properties that pin the metric definitions (pure functions, fixed or fresh random inputs)."""
 from __future__ import annotations
 
 import math
@@ -7,97 +7,131 @@ import numpy as np
 import pytest
 import torch
 
-from quantlab import metrics
+from quantlab import metrics, stats
 
 
-def test_position_stats_golden():
-    logits = torch.tensor([[[0.0, math.log(3.0)], [math.log(3.0), 0.0], [5.0, 5.0]]])  # [1, 3, 2]
-    targets = torch.tensor([[1, 1]])
-    stats = metrics.PositionStats(logits, targets)
-    nll, am = stats.nll, stats.argmax
-    # p(target) = 3/4 at position 0, 1/4 at position 1; the last position predicts nothing.
-    assert torch.allclose(nll, torch.tensor([[-math.log(0.75), -math.log(0.25)]]), atol=1e-6)
-    assert am.tolist() == [[1, 0]]
+def _lp(logits):
+    return torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1)
 
 
-def test_topk_kl_equals_full_kl_when_k_is_vocab_and_bounds_it_otherwise():
+def test_compare_positions_hand_computed():
+    """A 3-token vocabulary, two positions; every number below is worked out by hand from the probabilities."""
+    # position 0: ref p = (1/2, 1/4, 1/4), cand p = (1/4, 1/2, 1/4), correct token 1
+    # position 1: ref p = (1/4, 1/4, 1/2), cand p = (1/4, 1/4, 1/2), correct token 0
+    ref = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.25, 0.25, 0.5]]]))
+    cand = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [0.25, 0.25, 0.5]]]))
+    out = metrics.compare_positions(ref, cand, torch.tensor([[1, 0]]))
+    # KL(ref||cand) at 0 = 1/2 ln(2) + 1/4 ln(1/2) + 0 = ln(2)/4; at 1 it is 0
+    assert out["kl"][0].tolist() == pytest.approx([math.log(2) / 4, 0.0], abs=1e-7)
+    assert out["nll_ref"][0].tolist() == pytest.approx([math.log(4), math.log(4)], abs=1e-6)
+    assert out["nll_cand"][0].tolist() == pytest.approx([math.log(2), math.log(4)], abs=1e-6)
+    # delta-p of the correct token: 1/2 - 1/4 at 0, 0 at 1; of the reference's top token (0, then 2): -1/4, 0
+    assert out["dp_true"][0].tolist() == pytest.approx([0.25, 0.0], abs=1e-7)
+    assert out["dp_top"][0].tolist() == pytest.approx([-0.25, 0.0], abs=1e-7)
+    assert out["argmax_ref"].tolist() == [[0, 2]] and out["argmax_cand"].tolist() == [[1, 2]]
+
+
+def test_compare_positions_matches_float64_full_vocabulary():
     gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
-    ref = torch.log_softmax(torch.randn(4, 7, 50, generator=gen) * 2, -1)
-    cand = torch.log_softmax(ref + 0.3 * torch.randn(4, 7, 50, generator=gen), -1)
-    full = (ref.exp() * (ref - cand)).sum(-1)
-    top = ref.topk(50, dim=-1)
-    assert torch.allclose(metrics.topk_kl(top.values, cand.gather(-1, top.indices)), full, atol=1e-5)
-    for k in (1, 5, 20):
-        top = ref.topk(k, dim=-1)
-        bound = metrics.topk_kl(top.values, cand.gather(-1, top.indices))
-        assert (bound <= full + 1e-5).all()
-        assert (bound >= 0).all()
+    ref = torch.randn(2, 7, 1000, generator=gen) * 3
+    cand = ref + 0.2 * torch.randn(2, 7, 1000, generator=gen)
+    targets = torch.randint(0, 1000, (2, 7), generator=gen)
+    out = metrics.compare_positions(ref, cand, targets)
+    lr, lc = _lp(ref.numpy()), _lp(cand.numpy())
+    kl = (lr.exp() * (lr - lc)).sum(-1)
+    assert torch.allclose(out["kl"].double(), kl, rtol=1e-5, atol=5e-7)
+    wild = metrics.compare_positions(ref, ref + torch.where(torch.arange(1000) == 3, 500.0, 0.0), targets)
+    assert torch.isfinite(wild["kl"]).all() and float(wild["kl"].min()) > 1.0  # overflow-prone chunk: float64 path
+    assert torch.allclose(out["nll_cand"].double(), -lc.gather(-1, targets[..., None])[..., 0], atol=1e-5)
+    same = metrics.compare_positions(ref, ref, targets)
+    assert float(same["kl"].abs().max()) == 0.0 and float(same["dp_true"].abs().max()) == 0.0
 
 
-def test_topk_kl_of_identical_distributions_is_zero():
-    ref = torch.log_softmax(torch.randn(3, 9, 40), -1)
-    top = ref.topk(8, dim=-1)
-    assert metrics.topk_kl(top.values, ref.gather(-1, top.indices)).abs().max().item() == 0.0
+def test_distribution_percentiles_are_linear_interpolation():
+    """Type-7 percentiles (numpy's default, llama.cpp's interpolation): p = f * (N - 1) between order statistics."""
+    v = np.array([0.0, 1.0, 2.0, 10.0])
+    d = metrics.distribution(v)
+    assert d["p50"] == pytest.approx(1.5) and d["p90"] == pytest.approx(2.0 + 0.7 * 8.0)
+    assert d["max"] == 10.0 and d["min"] == 0.0 and d["mean"] == pytest.approx(3.25)
+    assert d["rms"] == pytest.approx(math.sqrt((0 + 1 + 4 + 100) / 4))
 
 
-def test_position_stats_log_probs_match_log_softmax():
-    """nll, top-k and gathered log-probs equal log_softmax's, without forming the [B,T,V] log-probs."""
-    logits = torch.randn(2, 9, 300) * 4
-    targets = torch.randint(0, 300, (2, 8))
-    stats = metrics.PositionStats(logits, targets)
-    nll, am = stats.nll, stats.argmax
-    lp = torch.log_softmax(logits[:, :-1], -1)
-    assert torch.allclose(nll, -lp.gather(-1, targets[..., None])[..., 0], atol=1e-5)
-    assert torch.equal(am, lp.argmax(-1))
-    values, idx = stats.topk(7)
-    assert torch.equal(idx, lp.topk(7, dim=-1).indices)
-    assert torch.allclose(values, lp.topk(7, dim=-1).values, atol=1e-5)
-    assert torch.allclose(stats.at(idx), values, atol=0)
+def _windows(n=6, t=10, seed=0):
+    rng = np.random.default_rng(seed)
+    a = {"nll_ref": rng.random((n, t), dtype=np.float32) + 1, "nll_cand": rng.random((n, t), dtype=np.float32) + 1,
+         "kl": rng.random((n, t), dtype=np.float32) * 0.1, "dp_true": rng.standard_normal((n, t)).astype(np.float32) * .01,
+         "dp_top": rng.standard_normal((n, t)).astype(np.float32) * .01,
+         "argmax_ref": rng.integers(0, 3, (n, t)).astype(np.int32),
+         "argmax_cand": rng.integers(0, 3, (n, t)).astype(np.int32)}
+    return metrics.Windows(a, rng.integers(0, 3, (n, t)).astype(np.int32))
+
+
+def test_summarize_definitions():
+    w = _windows()
+    m = metrics.summarize(w)
+    dn = (w.a["nll_cand"].astype(float) - w.a["nll_ref"]).mean()
+    assert m["ppl_ratio"]["value"] == pytest.approx(math.exp(dn))
+    assert m["dnll_mean"]["value"] == pytest.approx(dn)
+    assert m["top1_agreement"]["value"] == pytest.approx((w.a["argmax_ref"] == w.a["argmax_cand"]).mean())
+    assert m["kl_mean"]["value"] == pytest.approx(w.a["kl"].mean(), rel=1e-6)
+    assert m["kl_p99"]["value"] == pytest.approx(np.quantile(w.a["kl"], 0.99), rel=1e-6)
+    lo, hi = m["ppl_ratio"]["ci95"]
+    assert lo <= m["ppl_ratio"]["value"] <= hi
+    ref_ok, cand_ok = w.a["argmax_ref"] == w.targets, w.a["argmax_cand"] == w.targets
+    assert m["net_flip_rate"]["value"] == pytest.approx(((ref_ok & ~cand_ok).sum() - (~ref_ok & cand_ok).sum()) / w.a["kl"].size)
+    panel = metrics.behaviour(w)
+    assert panel["flips"]["ref_right_cand_wrong"] == int((ref_ok & ~cand_ok).sum())
+    assert panel["dp_true"]["share_up"] == pytest.approx((w.a["dp_true"] > 0).mean())
+
+
+def test_buckets_cover_the_window():
+    assert [b[0] for b in metrics.bucket_bounds(2047)] == ["0-128", "128-512", "512-2k"]
+    assert metrics.bucket_bounds(2047)[-1][2] == 2047
+    assert [b[0] for b in metrics.bucket_bounds(100)] == ["0-128"]
+    w = _windows(t=600)
+    rows = metrics.buckets(w)
+    assert [r["bucket"] for r in rows] == ["0-128", "128-512", "512-2k"] and rows[-1]["hi"] == 600
 
 
 def test_t_interval_golden():
-    mean, lo, hi = metrics.t_interval([1.0, 2.0, 3.0, 4.0])
+    mean, lo, hi = stats.t_interval([1.0, 2.0, 3.0, 4.0])
     # t_{0.975, 3} = 3.182446; s = 1.290994; half = t * s / 2
     assert mean == 2.5
     assert hi - mean == pytest.approx(3.182446 * 1.290994 / 2, rel=1e-5)
     assert lo == pytest.approx(2 * mean - hi)
-    assert metrics.t_interval([5.0]) == (5.0, 5.0, 5.0)
+    assert stats.t_interval([5.0]) == (5.0, 5.0, 5.0)
 
 
 def test_wilson_interval_golden_and_bounded():
-    lo, hi = metrics.wilson_interval(1, 4)
+    lo, hi = stats.wilson_interval(1, 4)
     assert lo == pytest.approx(0.045587, abs=1e-5) and hi == pytest.approx(0.699358, abs=1e-5)
-    assert metrics.wilson_interval(0, 3)[0] == 0.0 and metrics.wilson_interval(3, 3)[1] == 1.0
+    assert stats.wilson_interval(0, 3)[0] == 0.0 and stats.wilson_interval(3, 3)[1] == 1.0
 
 
-def test_statistical_threshold_matches_formula():
-    thr, theta = metrics.statistical_threshold(2.0, sigma=0.5, n=50, alpha=0.05, beta=0.2, higher_is_better=False)
-    se = math.sqrt(2 * 0.25 / 50)
-    assert thr == pytest.approx(2.0 + 1.644854 * se, rel=1e-6)
-    assert theta == pytest.approx((1.644854 + 0.841621) * se, rel=1e-6)
-    thr_hi, _ = metrics.statistical_threshold(0.9, 0.1, 10, 0.05, 0.2, higher_is_better=True)
-    assert thr_hi < 0.9
-    n = metrics.windows_needed(0.5, theta, 0.05, 0.2)
-    assert n in (50, 51)
+def test_mcnemar_golden():
+    # b=1, c=9: two-sided exact p = 2 * P(X <= 1), X ~ Bin(10, 1/2) = 2 * 11 / 1024
+    assert stats.mcnemar(1, 9) == pytest.approx(22 / 1024)
+    assert stats.mcnemar(0, 0) == 1.0
+    z, p = stats.clustered_mcnemar([2, 0, 1, 3], [0, 0, 1, 0])
+    assert z > 0 and 0 < p < 1
 
 
-def test_summarize_definitions():
-    w = {"nll_ref": np.array([10.0, 20.0]), "nll_cand": np.array([11.0, 22.0]), "n_pred": np.array([10, 10]),
-         "agree": np.array([9.0, 7.0]), "kl": np.array([1.0, 3.0])}
-    m = metrics.summarize(w, np.linspace(0, 1, 101), None, 0.0)
-    assert m["ppl_reference"]["value"] == pytest.approx(math.exp(30 / 20))
-    assert m["ppl_candidate"]["value"] == pytest.approx(math.exp(33 / 20))
-    assert m["ppl_ratio"]["value"] == pytest.approx(math.exp(3 / 20))
-    assert m["top1_agreement"]["value"] == pytest.approx(0.8)
-    assert m["kl_mean"]["value"] == pytest.approx(0.2)
-    assert m["kl_p90"]["value"] == pytest.approx(0.9)
-    lo, hi = m["ppl_ratio"]["ci95"]
-    assert lo <= m["ppl_ratio"]["value"] <= hi
+def test_spending_boundaries_match_published_values():
+    """Lan-DeMets boundaries for 5 equally spaced looks, one-sided alpha 0.025: O'Brien-Fleming type as published (Jennison & Turnbull); Pocock type as a 4-million-path simulation confirms (crossing 0.0249)."""
+    fr = (0.2, 0.4, 0.6, 0.8, 1.0)
+    assert stats.boundaries(fr, 0.025, "obf") == pytest.approx((4.877, 3.357, 2.680, 2.290, 2.031), abs=2e-3)
+    assert stats.boundaries(fr, 0.025, "pocock") == pytest.approx((2.438, 2.427, 2.410, 2.397, 2.386), abs=2e-3)
+    assert stats.boundaries((1.0,), 0.05, "pocock") == pytest.approx((1.6449,), abs=1e-3)
 
 
-def test_first_divergence():
-    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) == 3
-    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+def test_decide_three_ways():
+    design = stats.make_design(16, 8, 0.05, 0.2)
+    good = np.full(8, 1.0) + np.linspace(-0.01, 0.01, 8)
+    assert stats.decide(good, 1.5, False, design, 0).verdict == "pass"
+    assert stats.decide(good, 0.5, False, design, 0).verdict == "fail"
+    assert stats.decide(good, 1.001, False, design, 0).verdict == "undecided"
+    d = stats.decide(good, 1.5, False, design, 0)
+    assert d.mde == pytest.approx((d.boundary + stats.Design((8,), .05, .2).t_beta(8)) * d.se)
 
 
 def test_registry_directions():
@@ -106,3 +140,8 @@ def test_registry_directions():
     assert not metrics.METRICS["ppl_reference"].gateable
     assert metrics.METRICS["top1_agreement"].loss(0.9) == pytest.approx(0.1)
     assert metrics.METRICS["ppl_ratio"].loss(1.05) == pytest.approx(0.05)
+
+
+def test_first_divergence():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1

@@ -1,6 +1,7 @@
 """Reports: Markdown and HTML from a real run; the HTML opened in headless Chromium (Debian's package)."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def test_html_escapes_every_injected_string(run_dir, tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "<img src=x" not in html
     md = (tmp_path / "report.md").read_text()
-    assert "<script>" not in md
+    outside_code = re.sub(r"```.*?```", "", md, flags=re.S)  # a fenced block shows HTML as text
+    assert "<script>" not in outside_code and "<img" not in outside_code
 
 
 def _chromium():

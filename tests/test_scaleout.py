@@ -72,7 +72,7 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
     fp8, int8 = plans
     assert {s.name: s.status for s in fp8.steps} == {"prepare": "local", "data:calib": "cached", "data:eval": "cached",
                                                        "quantize": "not needed", "export": "cached",
-                                                       "reference": "cached", "evaluate:torch": "cached"}
+                                                       "reference": "not needed", "evaluate:torch": "cached"}
     todo = {s.name: s for s in int8.steps if s.status == "build"}
     assert set(todo) == {"quantize", "export", "evaluate:torch"}
     recorded = {read_json(m)["cost"]["stage"]: read_json(m)["cost"]["wall_time_s"]

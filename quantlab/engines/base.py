@@ -49,8 +49,27 @@ class Limits:
         return asdict(self)
 
 
+class Outputs:
+    """One forward pass: final hidden states and the head that turns any range of positions into float32 logits,
+    or (engines that only give logits) the logits themselves. Nothing of size [positions x vocabulary] is made for
+    more positions than asked for."""
+
+    def __init__(self, hidden=None, head=None, logits=None):
+        self.hidden, self.head, self._logits = hidden, head, logits
+
+    @property
+    def length(self) -> int:
+        return int((self.hidden if self.hidden is not None else self._logits).shape[1])
+
+    def logits(self, lo: int, hi: int):
+        """Float32 logits [B, hi - lo, V] of positions lo..hi-1."""
+        if self._logits is not None:
+            return self._logits[:, lo:hi].float()
+        return self.head(self.hidden[:, lo:hi])
+
+
 class Engine:
-    """Runs token batches; subclasses implement _logits. Every request passes the limit check first."""
+    """Runs token batches; subclasses implement _forward. Every request passes the limit check first."""
 
     name = "engine"
 
@@ -59,13 +78,18 @@ class Engine:
         self.device = device
         self.forward_batches = 0
 
-    def logits(self, tokens):
-        """tokens [B, T] int64 (any device) -> logits [B, T, V] float32 on the engine's device."""
+    def forward(self, tokens) -> Outputs:
+        """tokens [B, T] int64 (any device) -> Outputs on the engine's device."""
         self.limits.check(*tokens.shape)
         self.forward_batches += 1
-        return self._logits(tokens)
+        return self._forward(tokens)
 
-    def _logits(self, tokens):
+    def logits(self, tokens):
+        """tokens [B, T] -> float32 logits [B, T, V] (small inputs only: tests and short prompts)."""
+        out = self.forward(tokens)
+        return out.logits(0, out.length)
+
+    def _forward(self, tokens) -> Outputs:
         raise NotImplementedError
 
     def greedy(self, prompts, new_tokens: int):
@@ -79,9 +103,10 @@ class Engine:
         seq = prompts
         for _ in range(new_tokens):
             self.forward_batches += 1
-            nxt = self._logits(seq)[:, -1].argmax(-1, keepdim=True).to(seq.device)
+            out = self._forward(seq)
+            nxt = out.logits(out.length - 1, out.length)[:, -1].argmax(-1, keepdim=True).to(seq.device)
             seq = torch.cat([seq, nxt], dim=1)
         return seq[:, prompts.shape[1]:]
 
     def close(self) -> None:
-        pass
+        """Release the model (engines hold GPU memory)."""

@@ -1,23 +1,46 @@
-"""Any in-memory HF causal LM as an engine: the reference model and ModelOpt's fake-quant models."""
+"""Any in-memory HF causal LM as an engine: the reference model, ModelOpt's fake-quant models and (as a subclass)
+the torch engine's model built from the exported checkpoint. The output embedding is swapped for a capture, so a
+forward pass yields final hidden states and the head makes logits chunk by chunk (quantlab.engines.head)."""
 from __future__ import annotations
 
-from quantlab.engines.base import Engine, Limits
+from quantlab.engines.base import Engine, Limits, Outputs
+from quantlab.engines.head import CapturedHead
 
 
 class HFModelEngine(Engine):
-    def __init__(self, model, limits: Limits, name: str):
-        super().__init__(limits, next(model.parameters()).device)
+    """An HF causal LM in eval mode; `head` is its real output head (checked once by verify_head)."""
+
+    def __init__(self, model, limits: Limits, name: str, device=None):
+        super().__init__(limits, device if device is not None else next(model.parameters()).device)
         self.model = model
         self.name = name
+        self.captured = CapturedHead(model)
+        self.head = self.captured.head
+        self._verified = False
 
-    def _logits(self, tokens):
+    def _forward(self, tokens) -> Outputs:
         import torch
 
         with torch.no_grad():
-            return self.model(tokens.to(self.device), use_cache=False).logits.float()
+            self.model(tokens.to(self.device), use_cache=False)
+        return Outputs(hidden=self.captured.take(), head=self.head)
+
+    def head_weights(self) -> tuple:
+        """(weight, bias) of the real output module (the reference's head is stored as weights)."""
+        module = self.captured.module
+        return module.weight, getattr(module, "bias", None)
+
+    def verify_head(self, tokens) -> None:
+        """Check once that head(hidden) reproduces the model's own logits."""
+        if self._verified:
+            return
+        hidden = self._forward(tokens).hidden
+        with self.captured.original():
+            self.head.verify(self.model, tokens.to(self.device), hidden)
+        self._verified = True
 
     def close(self) -> None:
-        del self.model
+        del self.model, self.captured
 
 
 def reference(engine_cfg, inputs, limits: Limits) -> HFModelEngine:

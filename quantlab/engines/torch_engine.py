@@ -15,7 +15,8 @@ from torch import nn
 
 from quantlab.checkpoint import CheckpointTensors, QuantConfig, read_quant_config
 from quantlab.config import DEVICE_MAPS
-from quantlab.engines.base import Engine, Limits
+from quantlab.engines.base import Limits
+from quantlab.engines.hf import HFModelEngine
 from quantlab.engines.qlayers import QLAYERS, LayerContext, checked_scale, fp8_qdq, fuse_shared_inputs
 from quantlab.errors import QuantlabError
 
@@ -188,19 +189,12 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None
 
 
 # ------------------------------------------------------------------------------------------------ engine
-class TorchEngine(Engine):
-    name = "torch"
+class TorchEngine(HFModelEngine):
+    """The exported checkpoint loaded by load_exported; `plan` says which kernel runs each layer."""
 
     def __init__(self, model, limits: Limits, device, plan: dict):
-        super().__init__(limits, device.torch)
-        self.model, self.plan = model, plan
-
-    def _logits(self, tokens):
-        with torch.no_grad():
-            return self.model(tokens.to(self.device), use_cache=False).logits.float()
-
-    def close(self) -> None:
-        del self.model
+        super().__init__(model, limits, "torch", device.torch)
+        self.plan = plan
 
 
 def build(engine_cfg, inputs, limits: Limits) -> TorchEngine:

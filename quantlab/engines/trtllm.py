@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from quantlab.checkpoint import read_quant_config
-from quantlab.engines.base import Engine, Limits
+from quantlab.engines.base import Engine, Limits, Outputs
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
@@ -57,13 +57,13 @@ class TrtllmEngine(Engine):
         super().__init__(limits, "cuda")
         self.llm = llm
 
-    def _logits(self, tokens):
+    def _forward(self, tokens) -> Outputs:
         import torch
         from tensorrt_llm import SamplingParams
 
         params = SamplingParams(max_tokens=1, return_context_logits=True)
         outputs = self.llm.generate([row.tolist() for row in tokens], params, use_tqdm=False)
-        return torch.stack([o.context_logits.float() for o in outputs]).to("cuda")
+        return Outputs(logits=torch.stack([o.context_logits.float() for o in outputs]).to("cuda"))
 
     def close(self) -> None:
         self.llm.shutdown()

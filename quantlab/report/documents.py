@@ -24,14 +24,16 @@ class MetricsDoc(TypedDict, total=False):
     positions: dict
     generation: Any
     provenance: dict  # fingerprints, versions, device, dtype, config, argv
+    behaviour: dict  # KL and delta-p distributions, flips (metrics.behaviour)
+    buckets: list  # metrics per position bucket (metrics.buckets)
     attribution: dict
     weight_error: dict
 
 
 def metrics_document(run: dict, result, gate: dict, provenance: dict, attribution: dict | None) -> MetricsDoc:
     doc: MetricsDoc = {"schema": METRICS_SCHEMA, "run": run, "metrics": result.metrics, "gate": gate,
-           "windows": result.windows, "positions": result.positions, "generation": result.generation,
-           "provenance": provenance}
+                       "behaviour": result.panel, "buckets": result.buckets, "windows": result.windows,
+                       "positions": result.positions, "generation": result.generation, "provenance": provenance}
     if attribution:
         doc["attribution"] = attribution
     return doc
@@ -50,7 +52,7 @@ def write_junit(run_dir: Path, doc: dict) -> Path:
                        failures=str(sum(not c["passed"] for c in checks)), errors="0")
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname=name, name=c["name"])
-        text = f"{c['metric']} = {c['value']:.6g} (threshold {c['op']} {c['threshold']:.6g}, margin {c['margin']:+.6g})"
+        text = check_line(c)
         if c["passed"]:
             ET.SubElement(case, "system-out").text = text
         else:
@@ -65,7 +67,18 @@ def write_junit(run_dir: Path, doc: dict) -> Path:
 def fmt(value: float) -> str:
     if value is None:
         return "-"
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
     return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def check_line(c: dict) -> str:
+    """One check in words: value, interval, threshold, margin, minimum detectable effect, windows."""
+    ci = c.get("ci") or []
+    interval = f" [{fmt(ci[0])}, {fmt(ci[1])}]" if len(ci) == 2 else ""
+    mde = f", MDE {c['mde']:.3g} {c.get('mde_unit', '')}".rstrip() if c.get("mde") is not None else ""
+    return (f"{c['metric']} = {fmt(c['value'])}{interval} vs {c['op']} {c['threshold']:g}: {c.get('verdict', '')}"
+            f" (margin {c['margin']:+.4g}{mde}, {c.get('n', 0)} windows)")
 
 
 def console_table(doc: dict) -> str:
@@ -80,9 +93,16 @@ def console_table(doc: dict) -> str:
     lines.insert(1, "  ".join("-" * wd for wd in widths))
     gate = doc["gate"]
     lines.append("")
+    design = gate.get("design")
+    if design:
+        lines.append(f"gate: alpha {design['alpha']}, beta {design['beta']}, {design['spending']} spending; stopped at "
+                     f"look {design['stopped_at_look']} of {len(design['looks'])} ({design['windows_used']} of up to "
+                     f"{design['cap']} windows)")
     for c in gate["checks"]:
         mark = "PASS" if c["passed"] else "FAIL"
-        lines.append(f"  [{mark}] {c['name']}: {fmt(c['value'])} (margin {c['margin']:+.4f})")
+        lines.append(f"  [{mark}] {c['name']}: {check_line(c)}")
+        if not c["passed"] and c.get("detail"):
+            lines.append(f"         {c['detail']}")
     for w in gate["warnings"]:
         lines.append(f"  [warn] {w}")
     return "\n".join(lines)

@@ -1,11 +1,14 @@
 """Reports for reviewers: report.md (a pull-request comment) and report.html (self-contained, plots inline).
 
-Jinja2 renders both; HTML autoescapes every value, Markdown escapes through |e, so a generated
-`<script>` shows as text.
+Jinja2 renders both. HTML autoescapes every value; Markdown strings go through |md (HTML-escaped, Markdown
+punctuation backslash-escaped, line breaks folded), so a model name or generated text can neither run a script
+nor add a heading, link, image or table cell to a pull-request comment.
 """
 from __future__ import annotations
 
+import html
 import logging
+import re
 import shlex
 from pathlib import Path
 
@@ -18,11 +21,30 @@ from quantlab.report.documents import TABLE_METRICS, fmt
 log = logging.getLogger("quantlab")
 
 
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>])")
+
+
+def md_escape(value) -> str:
+    """Any string made safe for one Markdown line or table cell: HTML-escaped, Markdown punctuation escaped,
+    control characters and line breaks folded into spaces."""
+    text = "" if value is None else str(value)
+    text = "".join(" " if (ord(ch) < 32 or ch in "\u2028\u2029\x7f") else ch for ch in text)
+    return _MD_SPECIAL.sub(r"\\\1", html.escape(text, quote=False))
+
+
+def fence_escape(value) -> str:
+    """A string for the inside of a ``` block: one line, no backtick that could close the fence."""
+    text = "" if value is None else str(value)
+    return "".join(" " if ord(ch) < 32 else ch for ch in text).replace("`", "\u02cb")
+
+
 def environment() -> Environment:
     env = Environment(loader=PackageLoader("quantlab.report", "templates"),
                       autoescape=select_autoescape(enabled_extensions=("html.j2",), default_for_string=True),
                       undefined=StrictUndefined, trim_blocks=False, lstrip_blocks=False)
     env.filters["num"] = fmt
+    env.filters["md"] = md_escape
+    env.filters["fence"] = fence_escape
     return env
 
 
@@ -30,6 +52,7 @@ def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
     gate = doc["gate"]
     return {"run": doc["run"], "gate": gate, "metrics": doc["metrics"], "provenance": doc["provenance"],
             "failed": [c for c in gate["checks"] if not c["passed"]], "baseline": gate.get("baseline"),
+            "design": gate.get("design"), "behaviour": doc.get("behaviour"), "buckets": doc.get("buckets"),
             "attribution": doc.get("attribution"), "generation": doc.get("generation"),
             "table_metrics": TABLE_METRICS, "definitions": {k: v.definition for k, v in METRICS.items()},
             "argv": " ".join(shlex.quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}

@@ -1,18 +1,27 @@
-"""data: materialize calibration and evaluation token sets from a recipe.
+"""data: calibration and evaluation token windows from a recipe, read and tokenized only as far as they are needed.
 
-Text sources, first match wins: `path` (a local .txt or .jsonl file), `dataset` (HF datasets, where
-available), else the documentation text Python ships (pydoc_data.topics), split by topic name into a
-calibration part and an evaluation part. Documents are joined with "\\n\\n", tokenized once, and cut into
-non-overlapping windows of seq_len tokens (tail dropped). With prefix_token=eos|bos each window is that token
-followed by seq_len - 1 text tokens.
+Sources, first match wins: `path` (a local file: plain text, JSON Lines, a JSON array of records, CSV / TSV or
+Parquet, recognized by suffix, case-insensitively, or set with `format`), `dataset` (HF datasets, where available
+locally), else the documentation text Python ships (pydoc_data.topics), split by topic name into a calibration part
+and an evaluation part.
+
+Documents are joined with "\\n\\n" and tokenized as one text, in chunks of about a million characters cut at
+whitespace (the tokenizer's leading special tokens once, at the start), and cut into non-overlapping windows of
+seq_len tokens (the tail is dropped). Reading stops as soon as the requested windows exist: the evaluation's first
+max_windows windows; calibration draws num_samples windows at random (seeded) from the first pool_windows windows.
+So a multi-GB corpus costs memory for the windows used, not for the file. With prefix_token=eos|bos each window is
+that token followed by seq_len - 1 text tokens.
 """
 from __future__ import annotations
 
+import codecs
+import csv
 import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from quantlab import costs
 from quantlab.artifacts import ArtifactStore
@@ -23,12 +32,18 @@ from quantlab.step import RunContext, Step
 log = logging.getLogger("quantlab")
 
 PYDOC_CALIB_SHARE = 0.8
+CHUNK_CHARS = 1 << 20  # characters tokenized at a time
+READ_BYTES = 1 << 20
+FORMATS = {"text": (".txt", ".text", ".raw", ".md", ".rst"), "jsonl": (".jsonl", ".ndjson"), "json": (".json",),
+           "csv": (".csv",), "tsv": (".tsv",), "parquet": (".parquet",)}
+MAX_JSON_ARRAY = 512 << 20  # a JSON array is parsed whole: beyond this, JSON Lines is required
 
 
 @dataclass(frozen=True)
 class Role:
-    """What a token set is for: calibration windows are drawn at random (seeded) from the text, evaluation windows
-    are the first ones in order. `name` is also the config section (calib / eval) and the pydoc part."""
+    """What a token set is for: calibration windows are drawn at random (seeded) from a pool of the first windows,
+    evaluation windows are the first ones in order. `name` is also the config section (calib / eval) and the pydoc
+    part."""
 
     name: str
     default_split: str
@@ -37,6 +52,10 @@ class Role:
     def count(self, cfg: DataConfig) -> int | None:
         """Windows requested: calib.num_samples, or eval.max_windows (None: all)."""
         return cfg.num_samples if self.sampled else cfg.max_windows
+
+    def needed(self, cfg: DataConfig) -> int | None:
+        """Windows the text must give before reading can stop (None: read to the end)."""
+        return max(cfg.pool_windows, cfg.num_samples) if self.sampled else cfg.max_windows
 
 
 CALIB = Role("calib", "train", sampled=True)
@@ -59,50 +78,160 @@ class TokenSet:
         return int(self.tokens.shape[1])
 
 
-# ------------------------------------------------------------------------------------------ text
-def _pydoc_text(role: Role) -> tuple[str, str]:
+# --------------------------------------------------------------------------------------------- sources
+def _pydoc_docs(role: Role) -> tuple[list[str], str]:
     from pydoc_data.topics import topics
 
     def in_calib(name: str) -> bool:
         return hashlib.sha1(name.encode()).digest()[0] < int(256 * PYDOC_CALIB_SHARE)
 
     names = [n for n in sorted(topics) if in_calib(n) == role.sampled]
-    return "\n\n".join(topics[n].strip() for n in names), f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
+    return [topics[n].strip() for n in names], f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
 
 
-def _file_text(cfg: DataConfig, knob: str) -> tuple[str, str]:
+def file_format(cfg: DataConfig, knob: str) -> str:
+    """The format of a data file: `format` if set, else from the suffix (case-insensitive); unknown is refused."""
     path = Path(cfg.path).expanduser()
+    if cfg.format != "auto":
+        if cfg.format not in FORMATS:
+            raise QuantlabError(f"{knob}.format={cfg.format!r} is not a format quantlab reads",
+                                fix=f"use one of auto, {', '.join(FORMATS)}")
+        return cfg.format
+    suffix = path.suffix.lower()
+    for name, suffixes in FORMATS.items():
+        if suffix in suffixes:
+            return name
+    known = ", ".join(s for group in FORMATS.values() for s in group)
+    raise QuantlabError(f"{knob}.path {path.name}: quantlab does not know the file type {suffix or '(no suffix)'!r}",
+                        fix=f"use a file ending in one of {known}, or say what it is with {knob}.format="
+                            f"{'|'.join(FORMATS)}")
+
+
+def _check_file(path: Path, knob: str) -> None:
     if not path.is_file():
-        raise QuantlabError(f"{knob}.path {path} does not exist or is not a file", fix=f"point {knob}.path at a .txt or .jsonl file")
-    raw = path.read_bytes()
-    if not raw.strip():
+        raise QuantlabError(f"{knob}.path {path} does not exist or is not a file",
+                            fix=f"point {knob}.path at a text, JSON Lines, JSON, CSV or Parquet file")
+    with open(path, "rb") as f:
+        head = f.read(65536)
+    if not head.strip():
         raise QuantlabError(f"{knob}.path {path} is empty", fix="give a file with text in it")
-    if b"\x00" in raw[:65536]:
-        raise QuantlabError(f"{knob}.path {path} looks binary (NUL bytes), not text", fix="give a UTF-8 .txt or .jsonl file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise QuantlabError(f"{knob}.path {path} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r})",
-                            fix=f"convert it, e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}") from None
-    if path.suffix == ".jsonl":
-        docs = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
+    if b"\x00" in head and path.suffix.lower() != ".parquet":
+        raise QuantlabError(f"{knob}.path {path} looks binary (NUL bytes), not text",
+                            fix="give a UTF-8 text, JSON Lines or CSV file (or .parquet)")
+
+
+def _utf8_chunks(path: Path, knob: str) -> Iterator[str]:
+    """The file decoded as UTF-8, a megabyte at a time; a bad byte is reported with its offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(READ_BYTES)
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise QuantlabError(f"{path} line {i} is not JSON ({exc.msg})", fix="one JSON object per line") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(cfg.text_field), str):
-                raise QuantlabError(f"{path} line {i} has no string field {cfg.text_field!r}",
-                                    fix=f"set {knob}.text_field to the field that holds the text")
-            docs.append(obj[cfg.text_field])
-        text = "\n\n".join(docs)
-        return text, f"{path} ({len(docs)} jsonl records)"
-    return text, str(path)
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                at = offset + exc.start
+                raise QuantlabError(f"{knob}.path {path} is not UTF-8 (byte {at}: {raw[exc.start:exc.start + 4]!r})",
+                                    fix=f"convert it, e.g. iconv -f latin1 -t utf-8 {path.name} > "
+                                        f"{path.stem}.utf8{path.suffix}") from None
+            offset += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
 
 
-def _dataset_text(cfg: DataConfig, role: Role, knob: str) -> tuple[str, str]:
+def _lines(path: Path, knob: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 file, streamed (a line of any length is held once, never the file)."""
+    pending, number = "", 0
+    for chunk in _utf8_chunks(path, knob):
+        parts = (pending + chunk).split("\n")
+        pending = parts.pop()
+        for line in parts:
+            number += 1
+            yield number, line
+    if pending:
+        yield number + 1, pending
+
+
+def _record_text(obj, where: str, cfg: DataConfig, knob: str) -> str:
+    if not isinstance(obj, dict) or not isinstance(obj.get(cfg.text_field), str):
+        fields = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        raise QuantlabError(f"{where} has no string field {cfg.text_field!r} (it has {fields})",
+                            fix=f"set {knob}.text_field to the field that holds the text")
+    return obj[cfg.text_field]
+
+
+def _jsonl_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+    for number, line in _lines(path, knob):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            msg = getattr(exc, "msg", "nesting too deep")
+            raise QuantlabError(f"{path} line {number} is not JSON ({msg})", fix="one JSON object per line") from None
+        yield _record_text(obj, f"{path} line {number}", cfg, knob)
+
+
+def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+    """A .json file: JSON Lines (what datasets' to_json writes) or one JSON array of records."""
+    with open(path, "rb") as f:
+        first = f.read(4096).lstrip()[:1]
+    if first == b"{":
+        yield from _jsonl_docs(path, cfg, knob)
+        return
+    if first != b"[":
+        raise QuantlabError(f"{knob}.path {path} is neither JSON Lines nor a JSON array of records",
+                            fix=f"write one JSON object per line, or set {knob}.format=text if it is plain text")
+    if path.stat().st_size > MAX_JSON_ARRAY:
+        raise QuantlabError(f"{knob}.path {path} is a JSON array of {path.stat().st_size >> 20} MiB, which would be read "
+                            "whole", fix="convert it to JSON Lines (one object per line), which is read as a stream")
+    try:
+        records = json.loads("".join(_utf8_chunks(path, knob)))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise QuantlabError(f"{path} is not valid JSON ({getattr(exc, 'msg', 'nesting too deep')})",
+                            fix="check the file") from None
+    if not isinstance(records, list):
+        raise QuantlabError(f"{path} is JSON but not an array of records", fix="give a list of objects or JSON Lines")
+    for i, obj in enumerate(records):
+        yield _record_text(obj, f"{path} record {i}", cfg, knob)
+
+
+def _csv_docs(path: Path, cfg: DataConfig, knob: str, delimiter: str) -> Iterator[str]:
+    csv.field_size_limit(1 << 30)
+    rows = csv.reader((line + "\n" for _, line in _lines(path, knob)), delimiter=delimiter)
+    header = next(rows, None)
+    if not header or cfg.text_field not in header:
+        raise QuantlabError(f"{path} has no column {cfg.text_field!r} (columns: {header})",
+                            fix=f"set {knob}.text_field to the column that holds the text")
+    column = header.index(cfg.text_field)
+    for row in rows:
+        if len(row) > column and row[column]:
+            yield row[column]
+
+
+def _parquet_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise QuantlabError(f"{knob}.path {path.name} is Parquet, which needs pyarrow",
+                            fix="pip install pyarrow (it comes with `datasets`), or convert the file to JSON Lines") from None
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a damaged file
+        raise QuantlabError(f"{knob}.path {path} is not a readable Parquet file ({str(exc)[:160]})",
+                            fix="check the file") from None
+    if cfg.text_field not in handle.schema_arrow.names:
+        raise QuantlabError(f"{path} has no column {cfg.text_field!r} (columns: {handle.schema_arrow.names})",
+                            fix=f"set {knob}.text_field to the column that holds the text")
+    for batch in handle.iter_batches(columns=[cfg.text_field], batch_size=256):
+        for value in batch.column(0).to_pylist():
+            if isinstance(value, str):
+                yield value
+
+
+def _dataset_docs(cfg: DataConfig, role: Role, knob: str) -> tuple[Iterator[str], str]:
     try:
         import datasets
     except ImportError:
@@ -119,43 +248,96 @@ def _dataset_text(cfg: DataConfig, role: Role, knob: str) -> tuple[str, str]:
     if cfg.text_field not in ds.column_names:
         raise QuantlabError(f"dataset {cfg.dataset} has no column {cfg.text_field!r} (columns: {ds.column_names})",
                             fix=f"set {knob}.text_field")
-    return "\n\n".join(ds[cfg.text_field]), f"datasets:{cfg.dataset}/{cfg.dataset_config}:{split}"
+    return (row[cfg.text_field] for row in ds), f"datasets:{cfg.dataset}/{cfg.dataset_config}:{split}"
+
+
+@dataclass
+class Source:
+    """Where a role's text comes from: its identity (hashed without holding the text), a description, and a fresh
+    stream of its documents on each call of docs()."""
+
+    knob: str
+    description: str
+    identity: dict
+    docs: object  # () -> Iterator[str]
+    length: int  # characters or bytes of the whole source (cost estimates)
+    plain: bool = False  # docs() yields consecutive pieces of one text (no "\n\n" between them)
+
+
+def source(cfg: DataConfig, role: Role) -> Source:
+    """The role's text source, checked (existence, emptiness, binary, format) before anything is tokenized."""
+    knob = role.name
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        _check_file(path, knob)
+        fmt = file_format(cfg, knob)
+        readers = {"text": lambda: _utf8_chunks(path, knob), "jsonl": lambda: _jsonl_docs(path, cfg, knob),
+                   "json": lambda: _json_docs(path, cfg, knob), "csv": lambda: _csv_docs(path, cfg, knob, ","),
+                   "tsv": lambda: _csv_docs(path, cfg, knob, "\t"), "parquet": lambda: _parquet_docs(path, cfg, knob)}
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(READ_BYTES):
+                sha.update(block)
+        # plain text is identified by its bytes (the same key as the text itself); records also by their field
+        identity = {"text": sha.hexdigest()} if fmt == "text" else {"file": sha.hexdigest(), "format": fmt,
+                                                                     "field": cfg.text_field}
+        if fmt == "text":
+            return Source(knob, str(path), identity, readers[fmt], path.stat().st_size, plain=True)
+        return Source(knob, f"{path} ({fmt})", identity, readers[fmt], path.stat().st_size)
+    if cfg.dataset:
+        _, desc = _dataset_docs(cfg, role, knob)  # fails now if the dataset is not here
+        return Source(knob, desc, {"dataset": desc}, lambda: _dataset_docs(cfg, role, knob)[0], 0)
+    docs, desc = _pydoc_docs(role)
+    text = "\n\n".join(docs)
+    return Source(knob, desc, {"text": hashlib.sha256(text.encode()).hexdigest()}, lambda: iter([text]), len(text))
+
+
+def _text_pieces(src: Source) -> Iterator[str]:
+    """The source as one text (documents joined with "\\n\\n"), in pieces of about CHUNK_CHARS cut at whitespace."""
+    buffer, first = "", True
+    for doc in src.docs():
+        if not src.plain:
+            doc = doc if first else "\n\n" + doc
+        first = False
+        buffer += doc
+        while len(buffer) >= CHUNK_CHARS:
+            cut = max(buffer.rfind("\n", 0, CHUNK_CHARS), buffer.rfind(" ", 0, CHUNK_CHARS))
+            cut = cut if cut > CHUNK_CHARS // 2 else CHUNK_CHARS
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    if buffer:
+        yield buffer
 
 
 def read_text(cfg: DataConfig, role: Role) -> tuple[str, str]:
-    knob = role.name
-    if cfg.path:
-        text, desc = _file_text(cfg, knob)
-    elif cfg.dataset:
-        text, desc = _dataset_text(cfg, role, knob)
-    else:
-        text, desc = _pydoc_text(role)
-    if not text.strip():
-        raise QuantlabError(f"the {knob} text from {desc} is empty", fix=f"give {knob} data with text in it")
-    return text, desc
+    """The role's whole text and its description (small texts, tests; runs stream instead)."""
+    src = source(cfg, role)
+    return "".join(_text_pieces(src)), src.description
 
 
 # ------------------------------------------------------------------------------------------ windows
 @dataclass
 class DataKey:
     """What a token set is identified by, computed without tokenizing."""
+
     key: str
-    text: str
+    source: Source
     description: str
-    text_sha256: str
     recipe: dict
 
 
 def key(cfg: DataConfig, role: Role, model_fp: str, store: ArtifactStore) -> DataKey:
-    text, desc = read_text(cfg, role)
-    text_sha = hashlib.sha256(text.encode()).hexdigest()
+    src = source(cfg, role)
     recipe = _recipe(cfg, role)
-    return DataKey(store.key("data", role=role.name, text=text_sha, model=model_fp, recipe=recipe), text, desc,
-                   text_sha, recipe)
+    identity = src.identity.get("text") or src.identity
+    return DataKey(store.key("data", role=role.name, text=identity, model=model_fp, recipe=recipe), src,
+                   src.description, recipe)
 
 
 def _recipe(cfg: DataConfig, role: Role) -> dict:
     recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": role.count(cfg), "split": cfg.split}
+    if role.sampled:
+        recipe["pool"] = cfg.pool_windows  # calibration draws from the first pool_windows windows (was: all)
     if cfg.prefix_token:
         recipe["prefix_token"] = cfg.prefix_token
     return recipe
@@ -171,21 +353,40 @@ def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
     return int(token_id)
 
 
-def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path) -> dict:
-    """Tokenize the text once, cut it into windows, keep the requested ones (tokens.safetensors in out)."""
+def tokenize_windows(src: Source, tokenizer, width: int, needed: int | None, leading: list[int]):
+    """(ids of full windows, their count, characters read, whether the text ended): tokenizes piece by piece and
+    stops once `needed` windows of `width` tokens exist (None: the whole text)."""
+    ids = list(leading)
+    chars, ended = 0, True
+    for piece in _text_pieces(src):
+        chars += len(piece)
+        ids.extend(tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"])
+        if needed is not None and len(ids) >= (needed + 1) * width:
+            ended = False
+            break
+    n_full = len(ids) // width
+    if needed is not None:
+        n_full = min(n_full, needed)
+    return ids[: n_full * width], n_full, chars, ended
+
+
+def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, vocab: int | None = None) -> dict:
+    """Tokenize as far as needed, cut into windows, keep the requested ones (tokens.safetensors in out)."""
     import torch
     from safetensors.torch import save_file
 
-    text, desc, text_sha, knob = ident.text, ident.description, ident.text_sha256, role.name
+    knob = role.name
     prefix = _prefix_id(cfg, tokenizer, knob)
-    ids = tokenizer(text, add_special_tokens=prefix is None, verbose=False)["input_ids"]
     width = cfg.seq_len - (prefix is not None)  # text tokens per window
-    n_full = len(ids) // width
+    leading = [] if prefix is not None else tokenizer("", add_special_tokens=True)["input_ids"]
+    ids, n_full, chars, ended = tokenize_windows(ident.source, tokenizer, width, role.needed(cfg), leading)
+    if chars == 0:
+        raise QuantlabError(f"the {knob} text from {ident.description} is empty", fix=f"give {knob} data with text in it")
     count = role.count(cfg)
     if role.sampled:
         if n_full < count:
             raise QuantlabError(
-                f"calibration text has {len(ids)} tokens = {n_full} windows of {cfg.seq_len}; "
+                f"calibration text has {len(ids) if ended else 'too few'} tokens = {n_full} windows of {cfg.seq_len}; "
                 f"calib.num_samples x calib.seq_len = {count} x {cfg.seq_len} needs {count * cfg.seq_len}",
                 fix=f"lower calib.num_samples (<= {n_full}) or calib.seq_len, or give more text")
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -195,12 +396,18 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path) -> 
             raise QuantlabError(f"evaluation text has {len(ids)} tokens, shorter than one window of "
                                 f"eval.seq_len={cfg.seq_len}", fix="give more text or lower eval.seq_len")
         pick = torch.arange(min(n_full, count or n_full))
-    flat = torch.tensor(ids[: n_full * width], dtype=torch.long).view(n_full, width)
+    flat = torch.tensor(ids, dtype=torch.long).view(n_full, width)
     if prefix is not None:
         flat = torch.cat([torch.full((n_full, 1), prefix, dtype=torch.long), flat], dim=1)
-    save_file({"tokens": flat[pick].contiguous()}, str(out / "tokens.safetensors"))
-    return {"source": desc, "text_sha256": text_sha, "text_chars": len(text), "total_tokens": len(ids),
-            "full_windows": n_full, "windows": int(pick.numel()), "seq_len": cfg.seq_len}
+    tokens = flat[pick].contiguous()
+    if vocab is not None and tokens.numel() and int(tokens.max()) >= vocab:
+        raise QuantlabError(f"the tokenizer produced token id {int(tokens.max())}, but the model's embedding has only "
+                            f"{vocab} rows: the tokenizer does not belong to this model",
+                            fix="save the model's own tokenizer beside it (tokenizer.save_pretrained)")
+    save_file({"tokens": tokens}, str(out / "tokens.safetensors"))
+    return {"source": ident.description, "identity": ident.source.identity, "text_chars": chars,
+            "chars_read": chars, "text_ended": ended, "full_windows": n_full, "windows": int(pick.numel()),
+            "seq_len": cfg.seq_len}
 
 
 def load(art, role: Role) -> TokenSet:
@@ -212,12 +419,13 @@ def load(art, role: Role) -> TokenSet:
     return TokenSet(role.name, art.fingerprint, tokens, info)
 
 
-def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore) -> TokenSet:
+def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore, vocab: int | None = None) -> TokenSet:
     """key, build (once) and load in one call: for callers outside the run graph (bench, tests)."""
     ident = key(cfg, role, model_fp, store)
-    art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out),
+    art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out, vocab),
                                 {"role": role.name, "recipe": ident.recipe, "model": model_fp},
-                                describe=f"tokenizing {role.name} data", cost=costs.work("cpu", role.name, size=len(ident.text)))
+                                describe=f"tokenizing {role.name} data",
+                                cost=costs.work("cpu", role.name, size=ident.source.length))
     return load(art, role)
 
 
@@ -240,8 +448,11 @@ def step(ctx: RunContext, role: Role) -> Step:
             ctx.memo["tokenizer"] = load_tokenizer(r.value("prepare"))
         return ctx.memo["tokenizer"]
 
-    return Step(name, "data", lambda r: ident(r).key, lambda art, r, built: load(art, role),
-                lambda out, r: build(cfg, role, ident(r), tokenizer(r), out), needs=("prepare",),
-                work=lambda r: costs.work("cpu", role.name, size=len(ident(r).text)),
+    def build_step(out, r) -> dict:
+        ref = r.value("prepare")
+        return build(cfg, role, ident(r), tokenizer(r), out, ref.vocab_size)
+
+    return Step(name, "data", lambda r: ident(r).key, lambda art, r, built: load(art, role), build_step,
+                needs=("prepare",), work=lambda r: costs.work("cpu", role.name, size=ident(r).source.length),
                 manifest=lambda r: {"role": role.name, "recipe": ident(r).recipe, "model": r.fingerprint("prepare")},
                 describe=f"tokenizing {role.name} data", cheap=True)

@@ -1,12 +1,20 @@
-"""evaluate: reference (HF, unquantized) vs candidate on the same windows, streamed batch by batch.
+"""evaluate: reference and candidate on the same windows, block by block, until the gate is decided.
 
-The reference's per-position outputs (target NLL, argmax, top-k log-probs) are an artifact keyed by
-(model, eval data, dtype, device type, top-k, generation settings): computed once, reused by every precision
-of a sweep. Nothing of size [all tokens x vocab] is ever held: one batch of logits at a time.
+Windows are taken in blocks of gate.statistical.look_windows (one block per look of the sequential design).
+- The reference's block: its final hidden states (the input of its output head), target NLL and argmax, plus its
+  greedy generations in block 0. Cached once per (model, eval data, settings, block) and shared by every precision
+  of a sweep; its head (lm_head weight and post-processing) is cached beside it.
+- A candidate's block: per-position arrays (NLLs, exact full-vocabulary KL, delta-p, argmaxes) computed by
+  recomputing the reference's logits from its hidden states and comparing them with the candidate's, a chunk of
+  positions at a time (no [positions x vocabulary] tensor for a whole window is ever held). Cached per
+  (candidate, reference, block), so a rerun, a stricter gate or a later search reads them back.
+- The evaluation step runs the looks: after each block the gate's checks are decided (quantlab.stages.gate) and it
+  stops once none is undecided, or at the cap.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,30 +22,40 @@ from pathlib import Path
 import numpy as np
 
 from quantlab import costs, metrics
-from quantlab.artifacts import Artifact, ArtifactStore, Built
+from quantlab.artifacts import ArtifactStore, Built
 from quantlab.config import EvalConfig
 from quantlab.engines.registry import ENGINES, EngineSpec
 from quantlab.env import versions
 from quantlab.errors import QuantlabError
+from quantlab.metrics import POSITION_FIELDS, Windows
 from quantlab.stages.data import TokenSet
 from quantlab.step import RunContext, Step, limits_for
 
 log = logging.getLogger("quantlab")
-REF_FILE = "reference.safetensors"
+REF_FILE, HEAD_FILE, CAND_FILE = "reference.safetensors", "head.safetensors", "positions.safetensors"
+LOGIT_BUDGET = 1 << 23  # elements of one logits chunk (x ~6 float64 temporaries): bounds memory at long context
 
 
 @dataclass
 class EvalResult:
+    """One candidate compared with the reference on the windows the gate needed."""
+
     engine: str
     metrics: dict
     windows: dict  # per-window arrays (lists) for CIs, plots and baseline comparison
     positions: dict  # per-position means along the window (plots)
-    kl_values: np.ndarray = field(repr=False)  # every predicted position's KL (distribution plot)
+    panel: dict  # behaviour panel (KL and delta-p distributions, flips)
+    buckets: list  # metrics per position bucket
+    kl_values: np.ndarray = field(repr=False)
     generation: dict | None = None
     argmax: np.ndarray | None = field(default=None, repr=False)  # [windows, positions] candidate predictions
+    per_window: Windows | None = field(default=None, repr=False)
+    checks: list = field(default_factory=list)  # gate.Check of the last look
+    look: int = 0
+    design: object = None
     forward_batches: int = 0
     seconds: float = 0.0
-    computed_now: bool = False  # evaluated in this run (not read from the store)
+    computed_now: bool = False  # some block was evaluated in this run (not read from the store)
 
 
 def _oom_guard(fn, batch_size: int):
@@ -60,139 +78,290 @@ def _prompts(evalset: TokenSet, cfg: EvalConfig):
     return evalset.tokens[:n, : cfg.gen_prompt_len] if n and cfg.gen_tokens else None
 
 
-# --------------------------------------------------------------------------------------- reference
-def reference_key(store: ArtifactStore, model_fp: str, data_fp: str, cfg: EvalConfig, device, dtype) -> str:
+def _chunk(batch: int, vocab: int) -> int:
+    return max(1, LOGIT_BUDGET // max(1, batch * vocab))
+
+
+# --------------------------------------------------------------------------------------------- reference
+def reference_key(store: ArtifactStore, model_fp: str, data_fp: str, cfg: EvalConfig, device, dtype,
+                  block_windows: int) -> str:
+    """Identity of the reference's outputs on an eval set (its blocks add their index)."""
     return store.key("reference", model=model_fp, data=data_fp, dtype=str(dtype), device=device.type,
-                     metrics=metrics.FORMULA_VERSION,
-                     topk=cfg.topk, gen=[cfg.gen_prompts, cfg.gen_prompt_len, cfg.gen_tokens], versions=versions())
+                     metrics=metrics.FORMULA_VERSION, block=block_windows,
+                     gen=[cfg.gen_prompts, cfg.gen_prompt_len, cfg.gen_tokens], versions=versions())
 
 
-def write_reference(out: Path, engine, evalset: TokenSet, cfg: EvalConfig) -> dict:
-    """The reference engine's per-position outputs over every window (reference.safetensors in out)."""
-    import torch
+def write_reference_block(out: Path, engine, tokens, cfg: EvalConfig, prompts=None) -> dict:
+    """The reference engine's final hidden states, target NLL and argmax for a block of windows (and its greedy
+    generations for block 0), as REF_FILE in out."""
     from safetensors.torch import save_file
 
-    w, t = evalset.num_windows, evalset.seq_len - 1
-    k = cfg.topk
-    arrays = {"nll": torch.empty(w, t), "argmax": torch.empty(w, t, dtype=torch.int32),
-              "topk_lp": torch.empty(w, t, k), "topk_idx": torch.empty(w, t, k, dtype=torch.int32)}
     start = time.time()
-    for lo in range(0, w, cfg.batch_size):
-        batch = evalset.tokens[lo: lo + cfg.batch_size]
-        logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
-        stats = metrics.PositionStats(logits, batch[:, 1:].to(logits.device))
-        top_lp, top_idx = stats.topk(k)
-        hi = lo + batch.shape[0]
-        arrays["nll"][lo:hi], arrays["argmax"][lo:hi] = stats.nll.cpu(), stats.argmax.cpu().int()
-        arrays["topk_lp"][lo:hi], arrays["topk_idx"][lo:hi] = top_lp.cpu(), top_idx.cpu().int()
-        del logits, stats
-        log.info("  reference windows %d/%d (%.1f s)", hi, w, time.time() - start)
-    prompts = _prompts(evalset, cfg)
+    arrays = reference_arrays(engine, tokens, cfg, prompts)
+    save_file({k: v.contiguous() for k, v in arrays.items()}, str(out / REF_FILE))
+    return {"forward_batches": engine.forward_batches, "seconds": round(time.time() - start, 2),
+            "windows": int(tokens.shape[0])}
+
+
+def reference_arrays(engine, tokens, cfg: EvalConfig, prompts=None) -> dict:
+    """hidden [n, T, H], nll and argmax [n, T-1] of the reference engine on windows (gen: greedy continuations)."""
+    import torch
+
+    hidden, nll, argmax = [], [], []
+    for lo in range(0, tokens.shape[0], cfg.batch_size):
+        batch = tokens[lo: lo + cfg.batch_size]
+        if lo == 0 and hasattr(engine, "verify_head"):
+            engine.verify_head(batch[:1, : min(batch.shape[1], 64)])
+        res = _oom_guard(lambda batch=batch: engine.forward(batch), cfg.batch_size)
+        targets = batch[:, 1:].to(res.hidden.device)
+        t = targets.shape[1]
+        step = _chunk(batch.shape[0], engine.head.vocab)
+        parts = [metrics.nll_and_argmax(res.logits(p, min(p + step, t)), targets[:, p: p + step]) for p in range(0, t, step)]
+        nll.append(torch.cat([a for a, _ in parts], 1).cpu())
+        argmax.append(torch.cat([b for _, b in parts], 1).cpu())
+        hidden.append(res.hidden.detach().cpu())
+    arrays = {"hidden": torch.cat(hidden), "nll": torch.cat(nll), "argmax": torch.cat(argmax)}
     if prompts is not None:
         arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
-    save_file({k_: v.contiguous() for k_, v in arrays.items()}, str(out / REF_FILE))
-    info = {"forward_batches": engine.forward_batches, "seconds": round(time.time() - start, 2)}
-    engine.close()
-    return info
+    return arrays
 
 
-# ---------------------------------------------------------------------------------------- candidate
-def compare(engine, ref_art: Artifact, evalset: TokenSet, cfg: EvalConfig, tokenizer=None) -> EvalResult:
-    from safetensors import safe_open
+def write_head(out: Path, engine) -> dict:
+    from safetensors.torch import save_file
 
-    w, t = evalset.num_windows, evalset.seq_len - 1
-    sums = {k: np.zeros(w) for k in ("nll_ref", "nll_cand", "agree", "kl")}
-    sums["n_pred"] = np.full(w, t)
-    agree_pos, kl_pos = np.zeros((w, t), dtype=np.float32), np.zeros((w, t), dtype=np.float32)
-    cand_argmax = np.zeros((w, t), dtype=np.int32)
-    start = time.time()
-    tail_total = 0.0
-    with safe_open(str(ref_art.path / REF_FILE), "pt") as ref:
-        for lo in range(0, w, cfg.batch_size):
-            batch = evalset.tokens[lo: lo + cfg.batch_size]
-            hi = lo + batch.shape[0]
-            logits = _oom_guard(lambda: engine.logits(batch), cfg.batch_size)
-            dev = logits.device
-            stats = metrics.PositionStats(logits, batch[:, 1:].to(dev))
-            nll, am = stats.nll, stats.argmax
-            r_nll = ref.get_slice("nll")[lo:hi].to(dev)
-            r_am = ref.get_slice("argmax")[lo:hi].to(dev)
-            r_lp = ref.get_slice("topk_lp")[lo:hi].to(dev)
-            r_idx = ref.get_slice("topk_idx")[lo:hi].to(dev)
-            kl = metrics.topk_kl(r_lp, stats.at(r_idx))
-            agree = (am == r_am.long()).float()
-            tail_total += float((1.0 - r_lp.double().exp().sum(-1)).clamp_min(0).sum())
-            sums["nll_ref"][lo:hi] = r_nll.double().sum(-1).cpu().numpy()
-            sums["nll_cand"][lo:hi] = nll.double().sum(-1).cpu().numpy()
-            sums["agree"][lo:hi] = agree.sum(-1).cpu().numpy()
-            sums["kl"][lo:hi] = kl.double().sum(-1).cpu().numpy()
-            agree_pos[lo:hi], kl_pos[lo:hi] = agree.cpu().numpy(), kl.cpu().numpy()
-            cand_argmax[lo:hi] = am.cpu().numpy()
-            del logits, stats
-            log.info("  %s windows %d/%d (%.1f s)", engine.name, hi, w, time.time() - start)
-        gen = None
-        prompts = _prompts(evalset, cfg)
-        if prompts is not None and "gen" in ref.keys():
-            ref_gen = ref.get_tensor("gen")
-            cand_gen = engine.greedy(prompts, cfg.gen_tokens).cpu()
-            gen = _generation_record(prompts, ref_gen, cand_gen, cfg.gen_tokens, tokenizer)
-    result = metrics.summarize(sums, kl_pos.ravel(), gen, tail_total / (w * t))
-    windows = {"n_pred": int(t), "nll_reference": (sums["nll_ref"] / t).tolist(),
-               "nll_candidate": (sums["nll_cand"] / t).tolist(), "top1_agreement": (sums["agree"] / t).tolist(),
-               "kl_mean": (sums["kl"] / t).tolist()}
-    positions = {"top1_agreement": agree_pos.mean(0).tolist(), "kl_mean": kl_pos.mean(0).tolist()}
-    return EvalResult(engine.name, result, windows, positions, kl_pos.ravel(), gen, cand_argmax,
-                      engine.forward_batches, round(time.time() - start, 2))
+    weight, bias = engine.head_weights()
+    tensors = {"weight": weight.detach().cpu().contiguous()}
+    if bias is not None:
+        tensors["bias"] = bias.detach().cpu().contiguous()
+    save_file(tensors, str(out / HEAD_FILE))
+    return {"post": list(engine.head.post) if engine.head.post else None}
+
+
+class ReferenceOutputs:
+    """The reference's outputs, block by block: loaded from the store or computed (once) with the reference engine,
+    which is built only if a block is missing."""
+
+    def __init__(self, ctx: RunContext, base_key: str, evalset: TokenSet, make_engine, cost=None):
+        self.ctx, self.base_key, self.evalset, self.cost = ctx, base_key, evalset, cost
+        self.cfg = ctx.cfg.eval
+        self.block_windows = ctx.cfg.gate.statistical.look_windows
+        self._make_engine, self._engine = make_engine, None
+        self._head = None
+        self.forward_batches = 0
+
+    @property
+    def store(self) -> ArtifactStore:
+        return self.ctx.store
+
+    @property
+    def fingerprint(self) -> str:
+        return self.base_key
+
+    def engine(self):
+        if self._engine is None:
+            self._engine = self._make_engine()
+        return self._engine
+
+    def span(self, b: int) -> tuple[int, int]:
+        lo = b * self.block_windows
+        return lo, min(lo + self.block_windows, self.evalset.num_windows)
+
+    def block_key(self, b: int) -> str:
+        return self.store.key("reference", base=self.base_key, block=b)
+
+    def block(self, b: int) -> dict:
+        from safetensors.torch import load_file
+
+        lo, hi = self.span(b)
+        prompts = _prompts(self.evalset, self.cfg) if b == 0 else None
+
+        def build(out: Path) -> dict:
+            engine = self.engine()
+            before = engine.forward_batches
+            info = write_reference_block(out, engine, self.evalset.tokens[lo:hi], self.cfg, prompts)
+            self.forward_batches += engine.forward_batches - before
+            return info
+
+        art, built = self.store.get_or_build("reference", self.block_key(b), build,
+                                         {"data": self.evalset.fingerprint, "block": [lo, hi], "versions": versions()},
+                                         describe=f"reference outputs, windows {lo + 1}-{hi}",
+                                         cost=self.cost(hi - lo) if self.cost else None)
+        if built is not None:
+            log.info("  reference windows %d-%d of %d (%.1f s)", lo + 1, hi, self.evalset.num_windows,
+                     built.info["seconds"])
+        return load_file(str(art.path / REF_FILE))
+
+    def head(self):
+        """The reference's output head (recomputes its exact logits from cached hidden states)."""
+        from safetensors.torch import load_file
+
+        from quantlab.engines.head import Head
+
+        if self._head is None:
+            key = self.store.key("reference_head", base=self.base_key)
+            art, _ = self.store.get_or_build("reference", key, lambda out: write_head(out, self.engine()),
+                                             {"versions": versions()}, describe="reference head")
+            tensors = load_file(str(art.path / HEAD_FILE), device=str(self.ctx.device.torch))
+            post = art.info.get("post")
+            self._head = Head.from_weights(tensors["weight"], tensors.get("bias"), tuple(post) if post else None)
+        return self._head
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+# ---------------------------------------------------------------------------------------------- candidate
+def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompts=None) -> dict:
+    """Per-position arrays of one candidate on one block of windows (and its generations on block 0)."""
+    import torch
+
+    if hasattr(engine, "verify_head"):
+        engine.verify_head(tokens[:1, : min(tokens.shape[1], 64)])
+    fields: dict[str, list] = {k: [] for k in POSITION_FIELDS}
+    for blo in range(0, tokens.shape[0], cfg.batch_size):
+        batch = tokens[blo: blo + cfg.batch_size]
+        out = _oom_guard(lambda batch=batch: engine.forward(batch), cfg.batch_size)
+        device = head.device
+        targets = batch[:, 1:].to(device)
+        ref_hidden = ref_block["hidden"][blo: blo + batch.shape[0]].to(device)
+        t = targets.shape[1]
+        step = _chunk(batch.shape[0], head.vocab)
+        rows: dict[str, list] = {k: [] for k in POSITION_FIELDS}
+        for p in range(0, t, step):
+            q = min(p + step, t)
+            cmp = metrics.compare_positions(head(ref_hidden[:, p:q]), out.logits(p, q).to(device), targets[:, p:q])
+            for k in POSITION_FIELDS:
+                rows[k].append(cmp[k].cpu())
+        for k in POSITION_FIELDS:
+            fields[k].append(torch.cat(rows[k], 1))
+        del out
+    arrays = {k: torch.cat(v).to(getattr(torch, POSITION_FIELDS[k])) for k, v in fields.items()}
+    if prompts is not None and "gen" in ref_block:
+        arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
+        arrays["gen_ref"] = ref_block["gen"]  # so a cached candidate needs nothing of the reference
+    return arrays
+
+
+def compare_engines(reference, candidate, tokens, cfg: EvalConfig) -> Windows:
+    """Two engines in memory on the same windows, no store: the per-position comparison every run makes (for
+    tests, benchmarks and notebooks). The reference's head is its own output head."""
+    arrays = compare_block(candidate, tokens, reference_arrays(reference, tokens, cfg), reference.head, cfg)
+    return Windows({k: v.numpy() for k, v in arrays.items() if k in POSITION_FIELDS},
+                   tokens[:, 1:].numpy().astype(np.int32))
+
+
+@dataclass
+class CandidateBlocks:
+    """A candidate's blocks in the store: each evaluated once (the engine is built only if one is missing)."""
+
+    spec: EngineSpec
+    identity: str
+    ref: ReferenceOutputs
+    make_engine: object
+    cost: object = None  # block -> work() dict for the cost record
+    engine: object = None
+    forward_batches: int = 0
+    built: int = 0
+
+    def key(self, b: int) -> str:
+        return self.ref.store.key("evaluate", engine=self.spec.name, candidate=self.identity, reference=self.ref.base_key,
+                                  block=b, limits=self.ref.ctx.memo["limits"].describe(), device=self.ref.ctx.device.arch,
+                                  dtype=str(self.ref.ctx.dtype), metrics=metrics.FORMULA_VERSION, versions=versions())
+
+    def block(self, b: int) -> dict:
+        from safetensors.torch import load_file, save_file
+
+        lo, hi = self.ref.span(b)
+
+        def build(out: Path) -> Built:
+            start = time.time()
+            ref_block, head = self.ref.block(b), self.ref.head()  # the reference's time is its own
+            if self.engine is None:
+                self.engine = self.make_engine()
+            upstream = time.time() - start
+            before = self.engine.forward_batches
+            prompts = _prompts(self.ref.evalset, self.ref.cfg) if b == 0 else None
+            arrays = compare_block(self.engine, self.ref.evalset.tokens[lo:hi], ref_block, head, self.ref.cfg, prompts)
+            save_file({k: v.contiguous() for k, v in arrays.items()}, str(out / CAND_FILE))
+            self.forward_batches += self.engine.forward_batches - before
+            self.built += 1
+            return Built({"engine": self.spec.name, "windows": hi - lo, "seconds": round(time.time() - start, 2),
+                          "upstream_seconds": round(upstream, 3)})
+
+        art, built = self.ref.store.get_or_build("evaluate", self.key(b), build,
+                                                 {"data": self.ref.evalset.fingerprint, "block": [lo, hi],
+                                                  "versions": versions()},
+                                                 describe=f"{self.spec.name} windows {lo + 1}-{hi}",
+                                                 cost=self.cost(hi - lo) if self.cost else None)
+        if built is not None:  # logged once the block is stored: a run killed after this line keeps it
+            log.info("  %s windows %d-%d of %d (%.1f s)", self.spec.name, lo + 1, hi, self.ref.evalset.num_windows,
+                     built.info["seconds"])
+        return load_file(str(art.path / CAND_FILE))
+
+    def windows(self, n: int) -> tuple[Windows, tuple | None]:
+        """Per-position arrays of the first n windows, and block 0's generations (reference, candidate)."""
+        blocks = [self.block(b) for b in range(math.ceil(n / self.ref.block_windows))]
+        arrays = {k: np.concatenate([blk[k].numpy() for blk in blocks])[:n] for k in POSITION_FIELDS}
+        targets = self.ref.evalset.tokens[:n, 1:].numpy().astype(np.int32)
+        gen = (blocks[0]["gen_ref"], blocks[0]["gen"]) if "gen" in blocks[0] else None
+        return Windows(arrays, targets), gen
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
 
 def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:
     def text(ids):
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if tokenizer is not None else " ".join(map(str, ids))
+        if tokenizer is None:
+            return " ".join(map(str, ids))
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     rows = []
-    for p, r, c in zip(prompts.tolist(), ref_gen.tolist(), cand_gen.tolist()):
+    for p, r, c in zip(prompts.tolist(), ref_gen.tolist(), cand_gen.tolist(), strict=True):
         d = metrics.first_divergence(r, c)
         rows.append({"prompt": text(p), "reference": text(r), "candidate": text(c), "first_divergence": d,
                      "reference_common": text(r[:d]), "reference_rest": text(r[d:]), "candidate_rest": text(c[d:])})
     return {"new_tokens": n, "first_divergence": [row["first_divergence"] for row in rows], "samples": rows}
 
 
-# ------------------------------------------------------------------------------------- cached result
-RESULT_JSON, RESULT_ARRAYS = "result.json", "result.safetensors"
+def result_of(name: str, w: Windows, gen: dict | None) -> EvalResult:
+    """Metrics, panel and buckets of the windows a candidate was evaluated on."""
+    windows = {"n_pred": int(w.t), "nll_reference": w.per_window("nll_ref").tolist(),
+               "nll_candidate": w.per_window("nll_cand").tolist(), "dnll": w.per_window("dnll").tolist(),
+               "top1_agreement": w.per_window("agree").tolist(), "kl_mean": w.per_window("kl").tolist()}
+    positions = {"top1_agreement": (w.a["argmax_cand"] == w.a["argmax_ref"]).mean(0).tolist(),
+                 "kl_mean": w.a["kl"].mean(0).tolist(), "dp_true": w.a["dp_true"].mean(0).tolist()}
+    return EvalResult(name, metrics.summarize(w, gen), windows, positions, metrics.behaviour(w), metrics.buckets(w),
+                      w.a["kl"].ravel(), gen, w.a["argmax_cand"], w)
 
 
-def evaluation_key(store: ArtifactStore, engine: str, candidate: str, rkey: str, cfg: EvalConfig, limits: dict,
-                   device, dtype) -> str:
-    """Identity of one candidate's evaluation. batch_size is left out: results do not depend on it (tested)."""
-    settings = {k: v for k, v in vars(cfg).items() if k not in ("batch_size", "attribution")}
-    return store.key("evaluate", engine=engine, candidate=candidate, reference=rkey, eval=settings, limits=limits,
-                     metrics=metrics.FORMULA_VERSION,
-                     device=device.arch, dtype=str(dtype), versions=versions())
+def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tokenizer, fixed_n: int | None = None):
+    """Take looks until every check is decided (or the cap); fixed_n: evaluate exactly that many windows."""
+    from quantlab.stages import gate
 
-
-def write_result(out: Path, result: EvalResult) -> dict:
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
-    doc = {k: getattr(result, k) for k in ("engine", "metrics", "windows", "positions", "generation",
-                                             "forward_batches", "seconds")}
-    (out / RESULT_JSON).write_text(json.dumps(doc))
-    save_file({"kl_values": torch.from_numpy(result.kl_values.copy()),
-               "argmax": torch.from_numpy(result.argmax.copy())}, str(out / RESULT_ARRAYS))
-    return {"engine": result.engine, "forward_batches": result.forward_batches, "seconds": result.seconds}
-
-
-def read_result(art: Artifact) -> EvalResult:
-    import json
-
-    from safetensors.torch import load_file
-
-    doc = json.loads((art.path / RESULT_JSON).read_text())
-    arrays = load_file(str(art.path / RESULT_ARRAYS))
-    return EvalResult(doc["engine"], doc["metrics"], doc["windows"], doc["positions"], arrays["kl_values"].numpy(),
-                      doc["generation"], arrays["argmax"].numpy(), doc["forward_batches"], doc["seconds"])
+    start = time.time()
+    looks = [(design.look_of(fixed_n), fixed_n)] if fixed_n else list(enumerate(design.looks))
+    checks, look = [], 0
+    for look, n in looks:
+        w, generated = blocks.windows(n)
+        gen = None
+        if generated is not None:
+            gen = _generation_record(gen_prompts, *generated, blocks.ref.cfg.gen_tokens, tokenizer)
+        checks = gate.evaluate_checks(thresholds, w, gen, design, look) if thresholds is not None else []
+        log.info("look %d/%d at %d windows: %s", look + 1, len(design.looks), n,
+                 ", ".join(f"{c.name} {c.verdict}" for c in checks) or "no checks")
+        if fixed_n or gate.settled(checks):
+            break
+    checks = gate.finish(checks, at_cap=look == len(design.looks) - 1)
+    result = result_of(blocks.spec.name, w, gen)
+    result.checks, result.look, result.design = checks, look, design
+    result.forward_batches, result.computed_now = blocks.forward_batches, blocks.built > 0
+    result.seconds = round(time.time() - start, 2)
+    return result
 
 
 # ------------------------------------------------------------------------------------------ attribution
@@ -204,8 +373,7 @@ def attribution(results: dict, engine: str) -> dict:
              "engine": ("fakequant_exported", engine)}
 
     def loss(name, metric):  # how much worse than the reference, in the metric's own units
-        value = results[name].metrics[metric]["value"]
-        return metrics.METRICS[metric].loss(value)
+        return metrics.METRICS[metric].loss(results[name].metrics[metric]["value"])
 
     out = {}
     for metric in ("dnll_mean", "top1_agreement", "kl_mean"):
@@ -235,25 +403,9 @@ def limits(r):
     return ctx.memo["limits"]
 
 
-def _eval_tokens(r) -> int:
+def _look_tokens(r) -> int:
     evalset = r.value("data:eval")
-    return evalset.num_windows * evalset.seq_len
-
-
-def reference_step(ctx: RunContext) -> Step:
-    cfg = ctx.cfg
-
-    def key_of(r) -> str:
-        return reference_key(ctx.store, r.fingerprint("prepare"), r.fingerprint("data:eval"), cfg.eval, ctx.device,
-                             ctx.dtype)
-
-    return Step("reference", "evaluate", key_of, lambda art, r, built: art,
-                lambda out, r: write_reference(out, build_engine(ENGINES["reference"], r), r.value("data:eval"), cfg.eval),
-                needs=("prepare", "data:eval"), store_stage="reference",
-                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
-                                          _eval_tokens(r)),
-                manifest=lambda r: {"data": r.fingerprint("data:eval"), "versions": versions()},
-                describe="reference outputs")
+    return min(evalset.num_windows, r.ctx.cfg.gate.statistical.look_windows) * evalset.seq_len
 
 
 RUNS_NEEDS = {"checkpoint": "export", "calibrated": "quantize", "model": "prepare"}
@@ -264,6 +416,29 @@ def build_engine(spec: EngineSpec, r):
     from quantlab.graph import EngineInputsView
 
     return spec.builder()(r.ctx.cfg.engine, EngineInputsView(r), limits(r))
+
+
+def reference_step(ctx: RunContext) -> Step:
+    """The reference's outputs: a lazy accessor over cached blocks (built with the reference engine if missing)."""
+    cfg = ctx.cfg
+
+    def key_of(r) -> str:
+        return reference_key(ctx.store, r.fingerprint("prepare"), r.fingerprint("data:eval"), cfg.eval, ctx.device,
+                             ctx.dtype, cfg.gate.statistical.look_windows)
+
+    def load(art, r, built) -> ReferenceOutputs:
+        evalset, params = r.value("data:eval"), r.value("prepare").num_params
+        return ReferenceOutputs(ctx, r.key("reference"), evalset, lambda: build_engine(ENGINES["reference"], r),
+                                lambda n: costs.work(costs.device_label(ctx.device), "reference", params,
+                                                     n * evalset.seq_len))
+
+    def probe(r) -> tuple[str, str]:
+        return "reference", ctx.store.key("reference", base=r.key("reference"), block=0)
+
+    return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
+                target=False,
+                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
+                                          _look_tokens(r)))
 
 
 def engine_build_step(ctx: RunContext) -> Step:
@@ -291,34 +466,55 @@ def candidate_identity(spec: EngineSpec, r) -> str:
 
 
 def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
+    """One candidate evaluated look by look. The engine under test is gated; the attribution rungs are evaluated on
+    exactly the windows it used."""
+    from quantlab.stages import gate
+
     cfg = ctx.cfg
+    main = f"evaluate:{ctx.engine.name}"
+    is_main = spec.name == ctx.engine.name
 
-    def key_of(r) -> str:
-        return evaluation_key(ctx.store, spec.name, candidate_identity(spec, r), r.key("reference"), cfg.eval,
-                              limits(r).describe(), ctx.device, ctx.dtype)
+    def blocks(r) -> CandidateBlocks:
+        from quantlab.stages.quantize import recipe_label
 
-    def build(out: Path, r) -> Built:
+        memo = ctx.memo.setdefault("candidate_blocks", {})
+        if spec.name not in memo:
+            limits(r)
+            evalset, params = r.value("data:eval"), r.value("prepare").num_params
+            memo[spec.name] = CandidateBlocks(
+                spec, candidate_identity(spec, r), r.value("reference"), lambda: build_engine(spec, r),
+                lambda n: costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", params,
+                                     n * evalset.seq_len))
+        return memo[spec.name]
+
+    def build(out, r) -> EvalResult:
         from quantlab.models import load_tokenizer
 
         evalset = r.value("data:eval")
-        log.info("evaluate: %s vs reference on %d windows x %d tokens", spec.name, evalset.num_windows, evalset.seq_len)
-        engine = build_engine(spec, r)
-        result = compare(engine, r.value("reference"), evalset, cfg.eval, load_tokenizer(r.value("prepare")))
-        engine.close()
-        return Built(write_result(out, result), result)
+        thresholds = gate.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len) if is_main else None
+        design = gate.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
+        fixed = None if is_main else r.value(main).design.looks[r.value(main).look]
+        log.info("evaluate: %s vs reference, looks of %d windows up to %d x %d tokens", spec.name,
+                 cfg.gate.statistical.look_windows, design.cap, evalset.seq_len)
+        cand = blocks(r)
+        try:
+            return run_sequential(cand, thresholds, design, _prompts(evalset, cfg.eval),
+                                  load_tokenizer(r.value("prepare")), fixed)
+        finally:
+            cand.close()
 
-    def load(art: Artifact, r, built: Built | None) -> EvalResult:
-        result = built.value if built is not None else read_result(art)
-        result.computed_now = built is not None
-        return result
+    def probe(r) -> tuple[str, str]:
+        limits(r)
+        ref = ReferenceOutputs(ctx, r.key("reference"), None, None)
+        cand = CandidateBlocks(spec, candidate_identity(spec, r), ref, None)
+        return "evaluate", cand.key(0)
 
     def work(r) -> dict:
         from quantlab.stages.quantize import recipe_label
 
         return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
-                          r.value("prepare").num_params, _eval_tokens(r))
+                          r.value("prepare").num_params, _look_tokens(r))
 
-    return Step(f"evaluate:{spec.name}", "evaluate", key_of, load, build,
-                needs=("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]), work=work,
-                manifest=lambda r: {"data": r.fingerprint("data:eval"), "versions": versions()},
-                describe="candidate evaluation")
+    needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
+    return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,
+                work=work, probe=probe, describe=f"{spec.name} evaluation")

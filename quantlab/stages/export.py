@@ -76,11 +76,44 @@ def step(ctx: RunContext) -> Step:
                 manifest=lambda r: {"model": r.fingerprint("prepare"), "versions": versions()}, describe="export")
 
 
+EMBEDDING_HINTS = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "word_embeddings.weight")
+
+
+def check_pairing(ckpt: Path, ref) -> None:
+    """A checkpoint exported from another model must not be compared with this model's reference: config sizes and
+    the input embedding (never quantized, never smoothed) must match the reference's exactly, up to the export's
+    dtype."""
+    import json
+
+    import torch
+
+    from quantlab.checkpoint import read_headers, tensor_index
+
+    theirs = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").is_file() else {}
+    for knob in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+                 "num_attention_heads"):
+        if knob in theirs and knob in ref.config and theirs[knob] != ref.config[knob]:
+            raise QuantlabError(f"engine.checkpoint {ckpt} was exported from another model: its config.json has "
+                                f"{knob}={theirs[knob]}, the reference {ref.path} has {ref.config[knob]}",
+                                fix="point model.path at the unquantized model the checkpoint was made from")
+    exported, original = read_headers(ckpt), read_headers(ref.path)
+    name = next((n for n in exported if n.endswith(EMBEDDING_HINTS) and n in original), None)
+    if name is None:
+        return
+    a, b = tensor_index(ckpt)[name].get_tensor(name), tensor_index(ref.path)[name].get_tensor(name)
+    if a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
+        diff = "shape differs" if a.shape != b.shape else f"max difference {float((a.float() - b.float()).abs().max()):.3g}"
+        raise QuantlabError(f"engine.checkpoint {ckpt} was exported from another model: {name} differs from the "
+                            f"reference's ({diff})",
+                            fix="point model.path at the unquantized model the checkpoint was made from")
+
+
 def external_step(ctx: RunContext) -> Step:
     path = ctx.external_checkpoint
 
     def load(art, r, built) -> Artifact:
         found = external(path, ctx.precision.quant_algo, ctx.kv_algo)
+        check_pairing(found.path, r.value("prepare"))
         log.info("export: evaluating the checkpoint made elsewhere, %s", found.path)
         return found
 

@@ -1,39 +1,57 @@
-"""gate: thresholds, a statistical test and an optional baseline regression check -> verdict + reasons.
+"""gate: every threshold is a statistical test, decided from a paired interval over windows -> verdict + reasons.
 
-Every check is evaluated and reported (not only the first failure), each with value, threshold and margin.
-Directions come from the metric registry (`higher_is_better`), never from branches on names.
+A check passes when its whole interval (at the sequential design's boundary for the look it was decided at) is on
+the good side of the threshold, fails when it is wholly on the bad side, and is otherwise undecided; evaluation
+takes another look until every check is decided, and a check still undecided at the cap fails with that reason.
+Each check reports its value, interval, threshold, margin and the minimum detectable effect at the windows it
+used (quantlab.stats). Directions and ranges come from the metric registry, never from branches on names.
+
+Quantile thresholds (kl_p99 <= t) are tested as the share of positions above t (<= 1%), a mean over windows like
+every other check. A baseline (metrics.json of an earlier release) adds paired one-sided regression checks.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from quantlab import metrics
+from quantlab import metrics, stats
 from quantlab.config import GateConfig, Threshold
 from quantlab.errors import QuantlabError
-from quantlab.metrics import METRICS_SCHEMA
+from quantlab.metrics import METRICS_SCHEMA, Windows
 from quantlab.precisions import PRECISIONS
 from quantlab.registry import did_you_mean
+
+UNDECIDED_AT_CAP = "undecided at the cap: raise eval.max_windows or provide more eval text"
 
 
 @dataclass
 class Check:
+    """One gate check as reported (metrics.json, junit.xml, reports)."""
+
     name: str
-    kind: str  # threshold | statistical | baseline
+    kind: str  # threshold | baseline
     metric: str
     value: float
     threshold: float
     op: str  # ">=" or "<="
     passed: bool
-    margin: float  # how far inside (+) or outside (-) the threshold, in the metric's units
+    margin: float  # how far inside (+) or outside (-) the threshold the value is, in the metric's units
+    verdict: str = "pass"  # pass | fail | undecided (undecided is a failure at the cap)
+    ci: list = field(default_factory=list)  # interval at the decision's level, metric units
+    level: float | None = None  # two-sided confidence of that interval
+    mde: float | None = None  # minimum detectable effect at the windows used (see mde_unit)
+    mde_unit: str = ""
+    n: int = 0  # windows (prompts for generation metrics) the decision used
+    bucket: str | None = None
     detail: str = ""
 
 
-def _check_threshold(where: str, name: str, th: Threshold) -> None:
+# ----------------------------------------------------------------------------------------- validation
+def _check_threshold(where: str, name: str, th: Threshold, seq_len: int | None) -> None:
     """A threshold must be able to fail a worse candidate: finite, inside the metric's range, min <= max, and on
     the side the metric's direction says (a min on a lower-is-better metric passes everything worse)."""
     spec = metrics.METRICS[name]
@@ -44,6 +62,9 @@ def _check_threshold(where: str, name: str, th: Threshold) -> None:
         if not math.isfinite(value):
             raise QuantlabError(f"{where}.{name}.{bound}={value} is not a finite number", fix="give a finite threshold")
         lo, hi = spec.range
+        if spec.log_scale and value <= 0:
+            raise QuantlabError(f"{where}.{name}.{bound}={value:g}: {name} is a ratio of perplexities, always > 0",
+                                fix="give a positive threshold, e.g. max: 1.10")
         if not lo <= value <= hi:
             raise QuantlabError(f"{where}.{name}.{bound}={value:g} is outside {name}'s range [{lo:g}, {hi:g}]",
                                 fix=f"a threshold there can never pass or never fail; pick a value in [{lo:g}, {hi:g}]")
@@ -58,95 +79,222 @@ def _check_threshold(where: str, name: str, th: Threshold) -> None:
         right = "max" if wrong == "min" else "min"
         direction = "higher" if spec.higher_is_better else "lower"
         raise QuantlabError(f"{where}.{name}.{wrong} bounds {name} from the wrong side: {direction} is better, so a "
-                            f"{wrong} threshold passes every worse candidate",
-                            fix=f"use {where}.{name}.{right}")
+                            f"{wrong} threshold passes every worse candidate", fix=f"use {where}.{name}.{right}")
+    if th.bucket is not None:
+        if name.startswith("gen_"):
+            raise QuantlabError(f"{where}.{name}.bucket: generation metrics have no positions to bucket",
+                                fix=f"drop {where}.{name}.bucket")
+        labels = [b[0] for b in metrics.bucket_bounds(seq_len - 1)] if seq_len else None
+        if th.bucket != "worst" and labels is not None and th.bucket not in labels:
+            raise QuantlabError(f"{where}.{name}.bucket={th.bucket!r}: eval.seq_len={seq_len} reaches only the buckets "
+                                f"{', '.join(labels)}{did_you_mean(th.bucket, labels)}",
+                                fix=f"use bucket: worst or one of {', '.join(labels)} (or raise eval.seq_len)")
 
 
-def thresholds_for(cfg: GateConfig, precision: str) -> dict[str, Threshold]:
+def _as_threshold(where: str, raw) -> Threshold:
+    if isinstance(raw, Threshold):
+        return raw
+    fields = [f for f in Threshold.__dataclass_fields__]
+    if not isinstance(raw, dict):
+        raise QuantlabError(f"{where} must be a mapping of {', '.join(fields)}, not {raw!r}",
+                            fix=f"write {where}.max=VALUE (or min / bucket)")
+    for key in raw:
+        if key not in fields:
+            raise QuantlabError(f"{where} has no {key!r}{did_you_mean(key, fields)}",
+                                fix=f"valid keys there: {', '.join(fields)}")
+    for key in ("min", "max"):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise QuantlabError(f"{where}.{key}={value!r} is not a number", fix=f"give {where}.{key} a number")
+    bucket = raw.get("bucket")
+    if bucket is not None and not isinstance(bucket, str):
+        raise QuantlabError(f"{where}.bucket={bucket!r} is not a bucket name", fix="use bucket: worst or e.g. 512-2k")
+    return Threshold(**{k: (float(v) if k in ("min", "max") and v is not None else v) for k, v in raw.items()})
+
+
+def thresholds_for(cfg: GateConfig, precision: str, seq_len: int | None = None) -> dict[str, Threshold]:
     """The thresholds that apply to a precision (per-precision entries override the common ones), validated."""
     for name in cfg.per_precision:
         if name not in PRECISIONS:
             raise QuantlabError(f"gate.per_precision has unknown precision {name!r}{did_you_mean(name, PRECISIONS)}",
                                 fix=f"use one of {', '.join(PRECISIONS)}")
-    as_threshold = {}
+    checked = {}
     for where, table in [("gate.thresholds", cfg.thresholds)] + [
             (f"gate.per_precision.{p}", t) for p, t in cfg.per_precision.items()]:
         for name, th in table.items():
             if name not in metrics.GATEABLE:
                 raise QuantlabError(f"gate threshold on unknown metric {name!r}{did_you_mean(name, metrics.GATEABLE)}",
                                     fix=f"gateable metrics: {', '.join(metrics.GATEABLE)}")
-            # OmegaConf leaves dataclasses nested two dicts deep as plain dicts
-            th = th if isinstance(th, Threshold) else Threshold(**th)
-            _check_threshold(where, name, th)
-            as_threshold[(where, name)] = th
-    merged = {name: as_threshold[("gate.thresholds", name)] for name in cfg.thresholds}
-    merged.update({name: as_threshold[(f"gate.per_precision.{precision}", name)]
+            th = _as_threshold(f"{where}.{name}", th)
+            _check_threshold(where, name, th, seq_len)
+            checked[(where, name)] = th
+    merged = {name: checked[("gate.thresholds", name)] for name in cfg.thresholds}
+    merged.update({name: checked[(f"gate.per_precision.{precision}", name)]
                    for name in cfg.per_precision.get(precision, {})})
     return merged
 
 
-def check_gate(cfg: GateConfig, precision: str) -> None:
+def check_gate(cfg: GateConfig, precision: str, eval_cfg=None) -> None:
     """Every gate parameter in range, before any compute."""
-    for knob, value in (("gate.statistical.alpha", cfg.statistical.alpha), ("gate.statistical.beta", cfg.statistical.beta),
+    st = cfg.statistical
+    for knob, value in (("gate.statistical.alpha", st.alpha), ("gate.statistical.beta", st.beta),
                         ("gate.baseline_alpha", cfg.baseline_alpha)):
         if not (isinstance(value, (int, float)) and 0 < value < 1):
             raise QuantlabError(f"{knob}={value} must be strictly between 0 and 1",
                                 fix=f"set {knob} to a probability such as 0.05")
-    thresholds_for(cfg, precision)
+    if st.spending not in stats.SPENDING:
+        raise QuantlabError(f"gate.statistical.spending={st.spending!r} is unknown{did_you_mean(st.spending, stats.SPENDING)}",
+                            fix=f"use one of {', '.join(stats.SPENDING)}")
+    if st.look_windows < 2:
+        raise QuantlabError(f"gate.statistical.look_windows={st.look_windows}: a look needs 2 windows or more to "
+                            "estimate a spread", fix="set gate.statistical.look_windows to 2 or more (default 8)")
+    if eval_cfg is not None and eval_cfg.max_windows is not None and st.sequential and \
+            eval_cfg.max_windows < st.look_windows:
+        raise QuantlabError(f"eval.max_windows={eval_cfg.max_windows} is smaller than one look of the sequential gate "
+                            f"(gate.statistical.look_windows={st.look_windows})",
+                            fix=f"raise eval.max_windows to {st.look_windows} or more, or lower the look size")
+    merged = thresholds_for(cfg, precision, eval_cfg.seq_len if eval_cfg is not None else None)
+    if not merged and not cfg.baseline:
+        raise QuantlabError("the gate has no checks: no thresholds and no baseline, so it could only ever pass",
+                            fix="use gate=default or gate=strict, or add gate.thresholds.METRIC.min/max")
 
 
-def _threshold_checks(merged: dict[str, Threshold], measured: dict) -> list[Check]:
-    checks = []
-    for name, th in merged.items():
-        if name not in measured:
+def design_for(cfg: GateConfig, windows_available: int, cap: int | None) -> stats.Design:
+    """Looks every gate.statistical.look_windows windows up to the cap (eval.max_windows, or all the text has)."""
+    st = cfg.statistical
+    n = min(windows_available, cap or windows_available)
+    if n < 2:
+        raise QuantlabError(f"the evaluation text gives {n} window(s); a paired interval needs 2 or more",
+                            fix="give more evaluation text or lower eval.seq_len")
+    return stats.make_design(n, st.look_windows, st.alpha, st.beta, st.sequential, st.spending, st.gamma)
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@dataclass
+class _Test:
+    values: np.ndarray  # per window (per prompt for generation), in the test's scale
+    threshold: float  # in the test's scale
+    higher_is_better: bool
+    to_metric: object = None  # monotone map from the test's scale to the metric's (exp for ratios of NLL)
+    binary: bool = False
+    value: float | None = None  # the metric's value when the test is not on its scale (percentiles)
+    ci: list | None = None
+    mde_unit: str = ""
+
+
+def _test(name: str, bound: float, w: Windows, gen: dict | None) -> _Test:
+    spec = metrics.METRICS[name]
+    hib = spec.higher_is_better
+    if spec.quantile is not None:  # p-th percentile <= t  <=>  share of positions above t <= 1 - p
+        q = spec.quantile
+        return _Test(w.exceedance(bound), 1 - q, False, value=stats.percentile(w.a["kl"], q),
+                     mde_unit=f"share of positions with KL > {bound:g}")
+    if spec.log_scale:
+        key = "dnll" if name == "ppl_ratio" else "nll_cand"
+        return _Test(w.per_window(key), math.log(bound), hib, math.exp, mde_unit="nats per token")
+    if name.startswith("gen_"):
+        if not gen or not gen.get("first_divergence"):
             raise QuantlabError(f"the gate needs {name}, which this run does not measure",
-                                fix="enable it (generation metrics need eval.gen_prompts > 0) or drop the threshold")
-        value = measured[name]["value"]
-        if th.min is not None:
-            checks.append(Check(f"{name} >= {th.min:g}", "threshold", name, value, th.min, ">=", value >= th.min, value - th.min))
-        if th.max is not None:
-            checks.append(Check(f"{name} <= {th.max:g}", "threshold", name, value, th.max, "<=", value <= th.max, th.max - value))
+                                fix="enable it (eval.gen_prompts > 0 and eval.gen_tokens > 0) or drop the threshold")
+        fd = np.asarray(gen["first_divergence"], dtype=np.float64)
+        if name == "gen_exact_match":
+            return _Test((fd >= gen["new_tokens"]).astype(np.float64), bound, hib, binary=True, mde_unit="share")
+        return _Test(fd, bound, hib, mde_unit="tokens")
+    key = {"top1_agreement": "agree", "kl_mean": "kl", "dnll_mean": "dnll", "dp_true_mean": "dp_true",
+           "flip_rate": "flip_rate", "net_flip_rate": "net_flip"}[name]
+    return _Test(w.per_window(key), bound, hib, mde_unit=spec.unit or "")
+
+
+def _one(name: str, bound: float, op: str, w: Windows, gen: dict | None, design: stats.Design, look: int,
+         bucket: str | None) -> Check:
+    test = _test(name, bound, w, gen)
+    decide = stats.decide_binary if test.binary else stats.decide
+    d = decide(test.values, test.threshold, test.higher_is_better, design, look)
+    f = test.to_metric or (lambda x: x)
+    if test.value is not None:  # a percentile: report it, its bootstrap interval, the decision from exceedances
+        value = test.value
+        ci = list(stats.cluster_bootstrap(list(w.a["kl"].astype(np.float64)),
+                                          lambda v: float(np.quantile(v, metrics.METRICS[name].quantile))))
+    else:
+        value, ci = f(d.value), [f(d.lo), f(d.hi)]
+    margin = (value - bound) if op == ">=" else (bound - value)
+    level = 1 - 2 * stats._phi(-d.boundary) if not test.binary and math.isfinite(d.boundary) else None
+    detail = (f"{d.verdict} at {d.n} windows: interval [{ci[0]:.4g}, {ci[1]:.4g}] vs {op} {bound:g}"
+              + (f" (tested as {test.mde_unit} <= {test.threshold:g}: {d.value:.4g} [{d.lo:.4g}, {d.hi:.4g}])"
+                 if test.value is not None else ""))
+    return Check(f"{name} {op} {bound:g}" + (f" [{bucket}]" if bucket else ""), "threshold", name, float(value),
+                 float(bound), op, d.verdict == "pass", float(margin), d.verdict, [float(ci[0]), float(ci[1])],
+                 level, float(d.mde), test.mde_unit, d.n, bucket, detail)
+
+
+def _bucketed(name: str, bound: float, op: str, w: Windows, gen, design, look, bucket: str) -> Check:
+    bounds = metrics.bucket_bounds(w.t)
+    chosen = bounds if bucket == "worst" else [b for b in bounds if b[0] == bucket]
+    checks = [_one(name, bound, op, w.columns(lo, hi), gen, design, look, label) for label, lo, hi in chosen]
+    worst = min(checks, key=lambda c: c.margin)
+    verdicts = {c.verdict for c in checks}
+    verdict = "fail" if "fail" in verdicts else "undecided" if "undecided" in verdicts else "pass"
+    worst.verdict, worst.passed = verdict, verdict == "pass"
+    worst.name = f"{name} {op} {bound:g} [{'worst bucket: ' if bucket == 'worst' else ''}{worst.bucket}]"
+    worst.detail += "; per bucket: " + ", ".join(f"{c.bucket} {c.value:.4g} {c.verdict}" for c in checks)
+    return worst
+
+
+def evaluate_checks(thresholds: dict[str, Threshold], w: Windows, gen: dict | None, design: stats.Design,
+                    look: int) -> list[Check]:
+    """Every threshold check on the windows seen so far, at one look of the design."""
+    out = []
+    for name, th in thresholds.items():
+        for bound, op in ((th.min, ">="), (th.max, "<=")):
+            if bound is None:
+                continue
+            if th.bucket:
+                out.append(_bucketed(name, bound, op, w, gen, design, look, th.bucket))
+            else:
+                out.append(_one(name, bound, op, w, gen, design, look, None))
+    return out
+
+
+def settled(checks: list[Check]) -> bool:
+    return all(c.verdict != "undecided" for c in checks)
+
+
+def finish(checks: list[Check], at_cap: bool) -> list[Check]:
+    """At the cap an undecided check is a failure, with the reason."""
+    for c in checks:
+        if c.verdict == "undecided" and at_cap:
+            c.passed = False
+            c.detail = f"{UNDECIDED_AT_CAP}; {c.detail}"
     return checks
 
 
-def _statistical(cfg: GateConfig, merged: dict[str, Threshold], windows: dict, warnings: list[str]) -> tuple[list[Check], dict]:
-    """Mean per-window NLL of the candidate vs the tolerated NLL, TensorRT-LLM accuracy-suite style."""
-    ref = np.asarray(windows["nll_reference"])
-    cand = np.asarray(windows["nll_candidate"])
-    n = ref.size
-    if n < 2:
-        warnings.append("statistical gate skipped: it needs at least 2 evaluation windows")
-        return [], {"skipped": "fewer than 2 windows"}
-    st = cfg.statistical
-    sigma = float(ref.std(ddof=1))
-    ratio = merged.get("ppl_ratio")
-    margin = math.log(ratio.max) if ratio is not None and ratio.max is not None else 0.0
-    allowed = float(ref.mean()) + margin
-    threshold, theta = metrics.statistical_threshold(allowed, sigma, n, st.alpha, st.beta, higher_is_better=False)
-    value = float(cand.mean())
-    info = {"metric": "mean NLL per window (nats)", "alpha": st.alpha, "beta": st.beta, "sigma": sigma, "n": n,
-            "reference": float(ref.mean()), "allowed_margin": margin, "threshold": threshold, "theta": theta,
-            "candidate": value}
-    if margin > 0 and theta > margin:
-        need = metrics.windows_needed(sigma, margin, st.alpha, st.beta)
-        info["windows_needed"] = need
-        warnings.append(f"n={n} windows is too few to detect a regression as large as the tolerance "
-                        f"(theta={theta:.3f} nats > log(max ppl_ratio)={margin:.3f}); about {need} windows would "
-                        f"(raise eval.max_windows or use more eval text)")
-    check = Check("mean NLL <= statistical threshold", "statistical", "nll_candidate", value, threshold, "<=",
-                  value <= threshold, threshold - value,
-                  f"ref {info['reference']:.4f} + margin {margin:.4f} + z_alpha*sqrt(2*sigma^2/n); theta {theta:.4f}")
-    return [check], info
+def power_warnings(checks: list[Check], thresholds: dict[str, Threshold]) -> list[str]:
+    """Checks whose design cannot tell even an ideal candidate from one on the threshold at the windows used."""
+    out = []
+    for c in checks:
+        spec = metrics.METRICS[c.metric]
+        if spec.ideal is None or c.mde is None or not math.isfinite(c.mde) or spec.quantile is not None:
+            continue
+        ideal, bound = spec.ideal, c.threshold
+        distance = abs(math.log(bound) - math.log(ideal)) if spec.log_scale else abs(bound - ideal)
+        if c.mde > distance and not c.passed:
+            out.append(f"{c.name}: with {c.n} windows the smallest detectable distance from the threshold is "
+                       f"{c.mde:.3g} {c.mde_unit}, more than the distance from the ideal value to the threshold "
+                       f"({distance:.3g}): even a perfect candidate would often fail. Raise eval.max_windows or use "
+                       "more eval text")
+    return out
 
 
+# ---------------------------------------------------------------------------------------------- baseline
 def load_baseline(path: str, provenance: dict) -> dict:
     p = Path(path).expanduser()
     if not p.is_file():
         raise QuantlabError(f"gate.baseline {p} does not exist", fix="point gate.baseline at an earlier run's metrics.json")
     try:
         base = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QuantlabError(f"gate.baseline {p} is not JSON ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise QuantlabError(f"gate.baseline {p} is not JSON ({str(exc)[:120]})",
+                            fix="point gate.baseline at an earlier run's metrics.json") from None
     if not isinstance(base, dict) or base.get("schema") != METRICS_SCHEMA:
         raise QuantlabError(f"gate.baseline {p} has schema {base.get('schema') if isinstance(base, dict) else None!r}, "
                             f"expected {METRICS_SCHEMA!r}", fix="use a metrics.json written by this quantlab version")
@@ -156,44 +304,52 @@ def load_baseline(path: str, provenance: dict) -> dict:
             raise QuantlabError(f"gate.baseline {p} was measured on different {what} ({key} {theirs} vs {ours}); "
                                 "the comparison would be meaningless",
                                 fix="rerun the baseline on the same model and eval data, or drop gate.baseline")
+    windows = base.get("windows")
+    if not (isinstance(windows, dict) and all(isinstance(windows.get(k), list) for k in BASELINE_KEYS.values())):
+        raise QuantlabError(f"gate.baseline {p} has no per-window values", fix="use a metrics.json of a full run")
     return base
 
 
-def _baseline_checks(base: dict, windows: dict, measured: dict, alpha: float) -> tuple[list[Check], dict]:
-    """Paired per-window comparison: fail where the candidate is significantly worse than the baseline."""
-    pairs = {"top1_agreement": "top1_agreement", "kl_mean": "kl_mean", "dnll_mean": None}
-    bw = base["windows"]
+BASELINE_KEYS = {"top1_agreement": "top1_agreement", "kl_mean": "kl_mean", "dnll_mean": "dnll"}
+
+
+def baseline_checks(base: dict, windows: dict, measured: dict, alpha: float) -> tuple[list[Check], dict]:
+    """Paired per-window comparison on the windows both runs evaluated: fail where the candidate is
+    significantly worse than the baseline (one-sided paired t over windows)."""
     checks, table = [], {}
-    for name, key in pairs.items():
-        if key is None:
-            ours = np.asarray(windows["nll_candidate"]) - np.asarray(windows["nll_reference"])
-            theirs = np.asarray(bw["nll_candidate"]) - np.asarray(bw["nll_reference"])
-        else:
-            ours, theirs = np.asarray(windows[key]), np.asarray(bw[key])
+    bw = base["windows"]
+    for name, key in BASELINE_KEYS.items():
+        n = min(len(windows[key]), len(bw[key]))
+        ours, theirs = np.asarray(windows[key][:n], dtype=float), np.asarray(bw[key][:n], dtype=float)
         hib = metrics.METRICS[name].higher_is_better
         worse = (theirs - ours) if hib else (ours - theirs)  # > 0 means the candidate is worse
-        mean, lo, _ = metrics.t_interval(worse, confidence=1 - 2 * alpha)
+        mean, lo, hi = stats.t_interval(worse, confidence=1 - 2 * alpha)
         base_value = base["metrics"].get(name, {}).get("value")
-        table[name] = {"baseline": base_value, "candidate": measured[name]["value"],
+        table[name] = {"baseline": base_value, "candidate": measured[name]["value"], "windows": n,
                        "difference": measured[name]["value"] - base_value if base_value is not None else None,
-                       "worse_by": mean, "worse_ci": [lo, metrics.t_interval(worse, 1 - 2 * alpha)[2]]}
+                       "worse_by": mean, "worse_ci": [lo, hi]}
+        passed = not lo > 0
         checks.append(Check(f"{name} not significantly worse than baseline", "baseline", name, mean, 0.0, "<=",
-                            not lo > 0, -lo, f"one-sided paired t over windows, alpha={alpha}"))
+                            passed, -lo, "pass" if passed else "fail", [lo, hi], 1 - 2 * alpha, None, "", n, None,
+                            f"one-sided paired t over {n} windows, alpha={alpha}"))
     return checks, table
 
 
-def run(cfg: GateConfig, precision: str, measured: dict, windows: dict, provenance: dict) -> dict:
-    merged = thresholds_for(cfg, precision)
-    warnings: list[str] = []
-    checks = _threshold_checks(merged, measured)
-    section: dict = {"thresholds": {k: asdict(v) for k, v in merged.items()}}
-    if cfg.statistical.enabled:
-        stat_checks, section["statistical"] = _statistical(cfg, merged, windows, warnings)
-        checks += stat_checks
+def verdict(cfg: GateConfig, thresholds: dict[str, Threshold], checks: list[Check], design: stats.Design, look: int,
+            windows: dict, measured: dict, provenance: dict) -> dict:
+    """The gate section of metrics.json: the design, every check, the verdict and warnings."""
+    warnings = power_warnings(checks, thresholds)
+    section: dict = {"thresholds": {k: asdict(v) for k, v in thresholds.items()},
+                     "design": {"alpha": design.alpha, "beta": design.beta, "spending": design.kind,
+                                "gamma": design.gamma if design.kind == "hsd" else None, "looks": list(design.looks),
+                                "stopped_at_look": look + 1, "windows_used": design.looks[look],
+                                "cap": design.cap, "sequential": len(design.looks) > 1,
+                                "boundaries_z": [design.z_boundary(k) for k in range(len(design.looks))]}}
+    all_checks = list(checks)
     if cfg.baseline:
         base = load_baseline(cfg.baseline, provenance)
-        base_checks, section["baseline"] = _baseline_checks(base, windows, measured, cfg.baseline_alpha)
+        base_checks, section["baseline"] = baseline_checks(base, windows, measured, cfg.baseline_alpha)
         section["baseline"]["path"] = cfg.baseline
-        checks += base_checks
-    section.update(passed=all(c.passed for c in checks), checks=[asdict(c) for c in checks], warnings=warnings)
+        all_checks += base_checks
+    section.update(passed=all(c.passed for c in all_checks), checks=[asdict(c) for c in all_checks], warnings=warnings)
     return section

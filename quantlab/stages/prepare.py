@@ -130,6 +130,13 @@ def _local(cfg: ModelConfig) -> ModelRef:
         raise QuantlabError(f"no *.safetensors weights in {path}{hint}",
                             fix="save the model with save_pretrained(..., safe_serialization=True)")
     headers = read_headers(path)
+    scales = sorted(n for n, h in headers.items() if n.endswith((".weight_scale", ".input_scale", ".weight_scale_2"))
+                    or (n.endswith(".weight") and h["dtype"] in ("F8_E4M3", "F8_E5M2", "I8", "U8")))
+    if scales:
+        raise QuantlabError(f"model.path {path} holds quantized tensors ({', '.join(scales[:3])}): it is already a "
+                            "quantized checkpoint and cannot be the unquantized reference",
+                            fix="point model.path at the unquantized model, and pass this checkpoint as "
+                                "engine.checkpoint= to evaluate it")
     _check_shapes(path, headers, cfg.trust_remote_code)
     check_tokenizer(path, cfg.trust_remote_code)
     # exactly what loading reads: the safetensors (never a pickle beside them), their index, configs, tokenizer

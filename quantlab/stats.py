@@ -1,0 +1,325 @@
+"""Statistics of the gate: paired per-window intervals, the group-sequential design, decisions and their power.
+
+Units. Candidate and reference are scored on the same tokens. A window is a contiguous block of tokens; the
+per-token values inside a window are dependent, windows much less so, so every interval is computed over
+per-window values (the window is the cluster). With equal window lengths the mean of window means is the token
+mean, and the t-interval over window means is the cluster-robust interval (CR variance with the t(n-1) small
+sample correction); its coverage under within-window dependence is checked by simulation in bench/gate_calibration.py.
+
+Sequential design. Evaluation proceeds in looks of `look_windows` windows up to the cap (eval.max_windows or the
+text's windows). Each check is a one-sided test of "the metric is on the good side of its threshold": PASS when the
+whole interval at a look's boundary is on the good side, FAIL when it is wholly on the bad side, otherwise
+undecided and the next look is taken; undecided at the cap is a FAIL. The boundaries come from Lan-DeMets
+alpha spending (Pocock-type, O'Brien-Fleming-type, or Hwang-Shih-DeCani with parameter gamma) computed for the
+Brownian-motion information fractions n_k / N by the Armitage-McPherson-Rowe recursion, then turned into t
+quantiles with n_k - 1 degrees of freedom (the variance is estimated). The overall probability of PASS when the true
+value sits on the threshold is alpha (type-I error); at the reported minimum detectable effect the probability
+of PASS is at least 1 - beta. Both are checked by simulation, not asserted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+SPENDING = ("pocock", "obf", "hsd")
+
+
+# --------------------------------------------------------------------------------------------- intervals
+def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, lo, hi) of a t-interval over independent units; degenerate (a point) when n < 2 or no spread."""
+    from scipy import stats
+
+    v = np.asarray(values, dtype=np.float64)
+    mean = float(v.mean())
+    if v.size < 2 or float(v.std(ddof=1)) == 0.0:
+        return mean, mean, mean
+    half = float(stats.t.ppf(0.5 + confidence / 2, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
+    return mean, mean - half, mean + half
+
+
+def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Score interval for a proportion; stays inside [0, 1] and is sane for small n."""
+    if n == 0:
+        return 0.0, 1.0
+    zz = z(0.5 + confidence / 2)
+    p = successes / n
+    denom = 1 + zz * zz / n
+    centre = (p + zz * zz / (2 * n)) / denom
+    half = zz * math.sqrt(p * (1 - p) / n + zz * zz / (4 * n * n)) / denom
+    lo = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact ends: the formula gives 0 / 1 up to rounding
+    hi = 1.0 if successes >= n else min(1.0, centre + half)
+    return lo, hi
+
+
+def z(p: float) -> float:
+    from scipy import stats
+
+    return float(stats.norm.ppf(p))
+
+
+def percentile(values, q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation between order statistics (numpy's default, Hyndman-Fan type 7;
+    what llama.cpp's KL statistics use)."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(np.quantile(v, q)) if v.size else float("nan")
+
+
+def cluster_bootstrap(window_values: list[np.ndarray], statistic, confidence: float = 0.95, resamples: int = 1000,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of statistic(concatenated values) resampling whole windows with replacement (seeded, so
+    a rerun gives the same interval). For statistics that are not means (percentiles of per-position KL)."""
+    rng = np.random.default_rng(seed)
+    n = len(window_values)
+    if n < 2:
+        value = statistic(np.concatenate(window_values)) if n else float("nan")
+        return value, value
+    out = np.empty(resamples)
+    for r in range(resamples):
+        pick = rng.integers(0, n, n)
+        out[r] = statistic(np.concatenate([window_values[i] for i in pick]))
+    a = (1 - confidence) / 2
+    return float(np.quantile(out, a)), float(np.quantile(out, 1 - a))
+
+
+def mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value for b discordant pairs one way and c the other (binomial, p = 1/2)."""
+    from scipy import stats
+
+    n = b + c
+    if n == 0:
+        return 1.0
+    return float(min(1.0, 2 * stats.binom.cdf(min(b, c), n, 0.5)))
+
+
+def clustered_mcnemar(b_per_window, c_per_window) -> tuple[float, float]:
+    """(z, two-sided p) of McNemar's comparison with windows as clusters (Obuchowski's adjustment): the per-window
+    difference b_i - c_i is tested for mean zero with its variance estimated between windows, so flips that come
+    in bursts inside one window are not counted as independent evidence."""
+    d = np.asarray(b_per_window, dtype=np.float64) - np.asarray(c_per_window, dtype=np.float64)
+    n = d.size
+    if n < 2 or d.std(ddof=1) == 0:
+        return (0.0, 1.0) if d.sum() == 0 else (math.copysign(math.inf, d.sum()), 0.0)
+    stat = d.mean() / (d.std(ddof=1) / math.sqrt(n))
+    from scipy import stats
+
+    return float(stat), float(2 * stats.t.sf(abs(stat), n - 1))
+
+
+# --------------------------------------------------------------------------------------- alpha spending
+def spent(t: float, alpha: float, kind: str, gamma: float = -2.0) -> float:
+    """Cumulative one-sided alpha spent by information fraction t (Lan-DeMets)."""
+    t = min(max(t, 0.0), 1.0)
+    if t == 0:
+        return 0.0
+    if kind == "pocock":
+        return alpha * math.log(1 + (math.e - 1) * t)
+    if kind == "obf":
+        return 2 * (1 - _phi(z(1 - alpha / 2) / math.sqrt(t)))
+    if kind == "hsd":
+        return alpha * t if gamma == 0 else alpha * (1 - math.exp(-gamma * t)) / (1 - math.exp(-gamma))
+    raise ValueError(kind)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2))
+
+
+@lru_cache(maxsize=256)
+def boundaries(fractions: tuple[float, ...], alpha: float, kind: str, gamma: float = -2.0) -> tuple[float, ...]:
+    """Upper z boundaries c_1..c_K such that a standard Brownian motion observed at information fractions t_k
+    (Z_k = S_k / sqrt(t_k)) first crosses c_k with probability spent(t_k) - spent(t_{k-1}) under the null.
+    Armitage-McPherson-Rowe recursion on a grid (the density of S_k on the continuation region)."""
+    from scipy import optimize, stats
+
+    grid_n = 801
+    density = None  # (s grid, density of S_{k-1} on the continuation region)
+    out = []
+    prev_t, prev_spent = 0.0, 0.0
+    for t in fractions:
+        target = spent(t, alpha, kind, gamma) - prev_spent
+        dt = t - prev_t
+        sd = math.sqrt(dt)
+        if density is None:
+            c = float(stats.norm.isf(max(target, 1e-300)))
+            s = np.linspace(-10 * math.sqrt(t), c * math.sqrt(t), grid_n)
+            f = stats.norm.pdf(s, scale=math.sqrt(t))
+        else:
+            s0, f0 = density
+            w0 = np.full(s0.size, s0[1] - s0[0]) * f0  # trapezoid weights
+            w0[0] *= 0.5
+            w0[-1] *= 0.5
+
+            def crossing(c_k, s0=s0, w0=w0, sd=sd, t=t):
+                return float((w0 * stats.norm.sf((c_k * math.sqrt(t) - s0) / sd)).sum())
+
+            if target <= 0:
+                c = math.inf
+            else:
+                c = float(optimize.brentq(lambda c_k: crossing(c_k) - target, -10, 40, xtol=1e-10))
+            upper = c * math.sqrt(t) if math.isfinite(c) else s0[-1] + 10 * sd
+            s = np.linspace(min(s0[0] - 10 * sd, upper - 20 * sd), upper, grid_n)
+            f = (w0[None, :] * stats.norm.pdf((s[:, None] - s0[None, :]) / sd) / sd).sum(1)
+        out.append(c)
+        density = (s, f)
+        prev_t, prev_spent = t, spent(t, alpha, kind, gamma)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Design:
+    """A group-sequential design: looks at these window counts (the last is the cap), one-sided alpha and beta,
+    the spending function. sequential=False is the fixed design: one look at the cap."""
+
+    looks: tuple[int, ...]
+    alpha: float
+    beta: float
+    kind: str = "pocock"
+    gamma: float = -2.0
+
+    @property
+    def cap(self) -> int:
+        return self.looks[-1]
+
+    def z_boundary(self, look: int) -> float:
+        fractions = tuple(n / self.cap for n in self.looks)
+        return boundaries(fractions, self.alpha, self.kind, self.gamma)[look]
+
+    def t_boundary(self, look: int, n: int) -> float:
+        """The z boundary as a t quantile with n - 1 degrees of freedom (same tail probability)."""
+        from scipy import stats
+
+        c = self.z_boundary(look)
+        if not math.isfinite(c):
+            return math.inf
+        return float(stats.t.isf(_phi(-c), max(n - 1, 1)))
+
+    def t_beta(self, n: int) -> float:
+        from scipy import stats
+
+        return float(stats.t.isf(self.beta, max(n - 1, 1)))
+
+    def look_of(self, n: int) -> int:
+        """Index of the look made with n windows (the last look at or below n)."""
+        return max(i for i, k in enumerate(self.looks) if k <= n) if n >= self.looks[0] else 0
+
+
+def make_design(cap: int, look_windows: int, alpha: float, beta: float, sequential: bool = True,
+                kind: str = "pocock", gamma: float = -2.0) -> Design:
+    """Looks every look_windows windows up to cap (the last look is the cap itself)."""
+    if not sequential or look_windows >= cap:
+        return Design((cap,), alpha, beta, kind, gamma)
+    looks = list(range(look_windows, cap, look_windows))
+    if cap - looks[-1] < max(2, look_windows // 2):  # a last look of a few windows adds nothing: fold it in
+        looks[-1] = cap
+    else:
+        looks.append(cap)
+    return Design(tuple(looks), alpha, beta, kind, gamma)
+
+
+# -------------------------------------------------------------------------------------------- decisions
+def skew_shift(values) -> np.ndarray | float:
+    """Johnson's (1978) first-order correction of a t-interval's centre for skewed data: mu3 / (6 s^2 n), computed
+    along the last axis. Right-skewed window values (KL, exceedance shares) make the plain t-interval's upper end too
+    low, and a 'metric <= threshold' check too easy to pass; the shift moves the interval the way the skew says."""
+    v = np.asarray(values, dtype=np.float64)
+    n = v.shape[-1]
+    if n < 3:
+        return np.zeros(v.shape[:-1]) if v.ndim > 1 else 0.0
+    d = v - v.mean(-1, keepdims=True)
+    var = (d * d).sum(-1) / (n - 1)
+    mu3 = n * (d ** 3).sum(-1) / ((n - 1) * (n - 2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shift = np.where(var > 0, mu3 / (6 * var * n), 0.0)
+    return shift if v.ndim > 1 else float(shift)
+
+
+@dataclass
+class Decision:
+    """One check at one look: the estimate, its interval at the look's boundary, and the verdict."""
+
+    value: float  # the estimate (mean of window values, in the test's scale)
+    lo: float  # interval at the boundary's level
+    hi: float
+    se: float
+    n: int
+    boundary: float  # t multiplier used
+    verdict: str  # pass | fail | undecided
+    mde: float  # minimum detectable distance from the threshold (test scale) at this n, power 1 - beta
+
+
+def decide(window_values, threshold: float, higher_is_better: bool, design: Design, look: int) -> Decision:
+    """Test one threshold on per-window values at one look of the design."""
+    v = np.asarray(window_values, dtype=np.float64)
+    n = int(v.size)
+    mean = float(v.mean()) if n else float("nan")
+    se = float(v.std(ddof=1) / math.sqrt(n)) if n >= 2 else math.inf
+    if n >= 2 and se == 0.0:
+        se = 0.0
+    c = design.t_boundary(look, n)
+    centre = mean + skew_shift(v) if n >= 3 else mean
+    lo, hi = (centre - c * se, centre + c * se) if math.isfinite(se) else (-math.inf, math.inf)
+    if higher_is_better:
+        verdict = "pass" if lo >= threshold else "fail" if hi < threshold else "undecided"
+    else:
+        verdict = "pass" if hi <= threshold else "fail" if lo > threshold else "undecided"
+    mde = (c + design.t_beta(n)) * se if math.isfinite(se) else math.inf
+    return Decision(mean, lo, hi, se, n, c, verdict, mde)
+
+
+def decide_binary(outcomes, threshold: float, higher_is_better: bool, design: Design, look: int) -> Decision:
+    """A threshold on a proportion of independent 0/1 outcomes (generated prompts): Clopper-Pearson interval at the
+    look's boundary level, so a handful of identical prompts does not make a zero-width interval."""
+    from scipy import stats as st
+
+    v = np.asarray(outcomes, dtype=np.float64)
+    n, k = int(v.size), int(v.sum())
+    tail = _phi(-design.z_boundary(look)) if math.isfinite(design.z_boundary(look)) else 0.0
+    lo = 0.0 if k == 0 else float(st.beta.ppf(tail, k, n - k + 1))
+    hi = 1.0 if k == n else float(st.beta.ppf(1 - tail, k + 1, n - k))
+    mean = k / n if n else float("nan")
+    if higher_is_better:
+        verdict = "pass" if lo >= threshold else "fail" if hi < threshold else "undecided"
+    else:
+        verdict = "pass" if hi <= threshold else "fail" if lo > threshold else "undecided"
+    se = math.sqrt(max(mean * (1 - mean), 0.25 / max(n, 1)) / max(n, 1))
+    c = design.z_boundary(look)
+    return Decision(mean, lo, hi, se, n, c, verdict, (c + z(1 - design.beta)) * se)
+
+
+def rate_bounds(counts, totals, tail: float, df: int) -> tuple[float, float, float]:
+    """(rate, lo, hi) of a clustered proportion: Clopper-Pearson bounds on the Kish effective sample size (Korn &
+    Graubard 1998). The pooled rate's cluster-robust variance over the binomial one is the design effect; the
+    effective size is positions / design effect, shrunk by (z / t_df)^2 for the estimated variance. Exact-binomial
+    bounds stay asymmetric where a t-interval would not, which is what rare, clustered events need."""
+    from scipy import stats as st
+
+    x, m = np.asarray(counts, dtype=np.float64), np.asarray(totals, dtype=np.float64)
+    n, total = x.size, m.sum()
+    p = float(x.sum() / total)
+    v_bin = p * (1 - p) / total
+    v = n / max(n - 1, 1) * float(((x - p * m) ** 2).sum()) / total ** 2
+    deff = max(1.0, v / v_bin) if v_bin > 0 else 1.0
+    n_eff = total / deff
+    if 0 < tail < 0.5 and df >= 1:
+        n_eff *= (st.norm.isf(tail) / st.t.isf(tail, df)) ** 2
+    k = p * n_eff
+    lo = 0.0 if k <= 0 else float(st.beta.ppf(tail, k, n_eff - k + 1))
+    hi = 1.0 if k >= n_eff else float(st.beta.ppf(1 - tail, k + 1, n_eff - k))
+    return p, lo, hi
+
+
+def decide_rate(counts, totals, threshold: float, higher_is_better: bool, design: Design, look: int) -> Decision:
+    """A threshold on a clustered rate (the share of positions whose KL exceeds a percentile threshold)."""
+    n = int(np.asarray(counts).size)
+    c = design.z_boundary(look)
+    tail = _phi(-c) if math.isfinite(c) else 0.0
+    p, lo, hi = rate_bounds(counts, totals, tail, n - 1)
+    if higher_is_better:
+        verdict = "pass" if lo >= threshold else "fail" if hi < threshold else "undecided"
+    else:
+        verdict = "pass" if hi <= threshold else "fail" if lo > threshold else "undecided"
+    se = (hi - lo) / (2 * c) if math.isfinite(c) and c > 0 else math.inf
+    return Decision(p, lo, hi, se, n, c, verdict, (c + z(1 - design.beta)) * se)
