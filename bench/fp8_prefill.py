@@ -2,9 +2,9 @@
 
 Both runs use the same HF skeleton; the FP8 one has every decoder Linear replaced by quantlab's Fp8Linear
 (static per-tensor scales from one calibration forward, torch._scaled_mm), timed first one quantize + GEMM per
-Linear, then with q/k/v and gate/up fused as the torch engine runs them (qlayers.fuse_shared_inputs). Prints prefill tokens/s, the
-linear layers' achieved TFLOP/s, the measured bf16 / FP8 GEMM ceilings, the kernels the profiler saw, and the
-FP8 / bf16 ratio against the 1.4x target.
+Linear, then with q/k/v and gate/up fused as the torch engine runs them (qlayers.fuse_shared_inputs). Prints prefill
+tokens/s, the linear layers' achieved TFLOP/s, the measured bf16 / FP8 GEMM ceilings, the kernels the profiler saw,
+and the FP8 / bf16 ratio against the 1.4x target.
 
     python bench/fp8_prefill.py --layers 8 --batch 4 --seq 2048 [--out results.json]
 """
@@ -82,7 +82,8 @@ def diagnose(tokens: int = 8192, k: int = 4096, n: int = 14336) -> dict:
         "fp8_quantize_fused_ms": timed(lambda: qlayers.fp8_quantize(x, layer.inv_input_scale), iters=20) * 1e3,
         "fp8_quantize_eager_ms": timed(lambda: qlayers._fp8_quantize_eager(x, layer.inv_input_scale), iters=20) * 1e3,
         "fp8_gemm_only_ms": timed(lambda: torch._scaled_mm(xq, layer.weight.t(), scale_a=layer.input_scale,
-                                                           scale_b=layer.weight_scale, out_dtype=torch.bfloat16), iters=20) * 1e3,
+                                                           scale_b=layer.weight_scale, out_dtype=torch.bfloat16),
+                                  iters=20) * 1e3,
         "fp8_layer_ms": timed(lambda: layer(x), iters=20) * 1e3,
     }
     print(json.dumps(out, indent=2))
@@ -128,7 +129,8 @@ def main() -> None:
         torch.cuda.synchronize()
     if args.diagnose:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
-    kernels = sorted({e.key for e in prof.key_averages() if any(s in e.key.lower() for s in ("gemm", "e4m3", "scaled", "fp8", "sm90"))})
+    kernels = sorted({e.key for e in prof.key_averages()
+                      if any(s in e.key.lower() for s in ("gemm", "e4m3", "scaled", "fp8", "sm90"))})
     result = {
         "shape": f"Llama-8B layer shape x {args.layers} layers, batch {args.batch} x {args.seq} tokens",
         "fp8_layers": n, "fused_quantize": qlayers._fused.get("ok", True),
@@ -136,7 +138,8 @@ def main() -> None:
         "bf16_tokens_per_s": tokens / t_bf16, "fp8_tokens_per_s": tokens / t_fp8,
         "bf16_linear_tflops": flops / t_bf16 / 1e12, "fp8_linear_tflops": flops / t_fp8 / 1e12,
         "ratio_fp8_over_bf16": t_bf16 / t_fp8, "target": 1.4,
-        "shared_input_groups": groups, "fp8_unfused_prefill_s": t_unfused, "ratio_unfused_over_bf16": t_bf16 / t_unfused,
+        "shared_input_groups": groups, "fp8_unfused_prefill_s": t_unfused,
+        "ratio_unfused_over_bf16": t_bf16 / t_unfused,
         "fused_vs_unfused_max_abs_logit_diff": float((fp8_logits - unfused_logits).abs().max()),
         "last_token_top1_agree": float((ref_logits.argmax(-1) == fp8_logits.argmax(-1)).float().mean()),
         "ceilings": gemm_ceilings(), "kernels": kernels[:12], "gpu": torch.cuda.get_device_name(),

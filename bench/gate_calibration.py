@@ -151,11 +151,12 @@ def main() -> None:
                 base = pool[name] - pool[name].mean()
                 null, tokens = threshold + rng.choice(base, (sims, args.cap)), None
             elif dist == "exceedance":
-                null, tokens = chunked(lambda m: windows_exceedance(rng, m, args.cap, args.tokens * 8, threshold,
-                                                                    args.rate_shape), sims)
+                null, tokens = chunked(lambda m, threshold=threshold: windows_exceedance(rng, m, args.cap,
+                                                                                         args.tokens * 8, threshold,
+                                                                                         args.rate_shape), sims)
             else:
-                null, tokens = chunked(lambda m: windows_ar1(rng, m, args.cap, args.tokens, threshold, sd, 0.6, dist),
-                                       sims)
+                null, tokens = chunked(lambda m, threshold=threshold, sd=sd, dist=dist:
+                                       windows_ar1(rng, m, args.cap, args.tokens, threshold, sd, 0.6, dist), sims)
             sigma = float(null.std(1, ddof=1).mean())
             k = len(design.looks) - 1  # the MDE the gate reports at the cap: (t boundary + t_beta) * sigma / sqrt(n)
             mde = (design.t_boundary(k, args.cap) + design.t_beta(args.cap)) * sigma / math.sqrt(args.cap)

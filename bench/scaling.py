@@ -95,25 +95,28 @@ def main() -> None:
         write_table(result, args)
         plot(result, args.out / "scaling.png")
         return
-    result = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "tokens": [], "widths": []}
+    result = {"machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "tokens": [],
+              "widths": []}
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "cache_a"
         common = [f"calib.num_samples={args.calib}", f"calib.seq_len={args.seq}", f"eval.seq_len={args.seq}"]
         # A. calibration + export once (what a sweep at any eval size shares), then the eval sizes
-        wall, _ = quantlab(["-m", PRECISIONS, *common, "stop_after=export", "hydra.sweep.dir=" + str(tmp / "warm")], REPO, cache)
+        wall, _ = quantlab(["-m", PRECISIONS, *common, "stop_after=export", "hydra.sweep.dir=" + str(tmp / "warm")],
+                           REPO, cache)
         result["calibrate_once_s"] = round(wall, 1)
-        print(f"A: conversion + calibration + export of 3 precisions ({args.calib} x {args.seq}): {wall:.1f} s", flush=True)
+        print(f"A: conversion + calibration + export of 3 precisions ({args.calib} x {args.seq}): {wall:.1f} s",
+              flush=True)
         for n in [int(x) for x in args.sizes.split(",")]:
             sweep = tmp / f"a_{n}"
-            wall, stdout = quantlab(["-m", PRECISIONS, *common, f"eval.max_windows={n}", "hydra.sweep.dir=" + str(sweep)],
-                                    REPO, cache)
-            row = {"windows": n, "eval_tokens": n * args.seq, "wall_s": round(wall, 1), "plan_predicted_s": predicted(stdout),
-                   "stages": stage_totals(sweep)}
+            wall, stdout = quantlab(["-m", PRECISIONS, *common, f"eval.max_windows={n}",
+                                     "hydra.sweep.dir=" + str(sweep)], REPO, cache)
+            row = {"windows": n, "eval_tokens": n * args.seq, "wall_s": round(wall, 1),
+                   "plan_predicted_s": predicted(stdout), "stages": stage_totals(sweep)}
             result["tokens"].append(row)
-            print(f"A: {n} x {args.seq} eval tokens: {wall:.1f} s (plan predicted {row['plan_predicted_s']}) {row['stages']}",
-                  flush=True)
+            print(f"A: {n} x {args.seq} eval tokens: {wall:.1f} s (plan predicted {row['plan_predicted_s']}) "
+                  f"{row['stages']}", flush=True)
 
         # B. random models of increasing width, cold, one cache
         prepared = next(cache.glob("prepare/*/config.json")).parent
@@ -129,8 +132,8 @@ def main() -> None:
             row = {"width": width, "params": params, "wall_s": round(wall, 1), "plan_predicted_s": predicted(stdout),
                    "stages": stage_totals(sweep)}
             result["widths"].append(row)
-            print(f"B: width {width} ({params / 1e6:.1f} M params): {wall:.1f} s (plan predicted {row['plan_predicted_s']}) "
-                  f"{row['stages']}", flush=True)
+            print(f"B: width {width} ({params / 1e6:.1f} M params): {wall:.1f} s "
+                  f"(plan predicted {row['plan_predicted_s']}) {row['stages']}", flush=True)
 
     (args.out / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
     write_table(result, args)
@@ -138,12 +141,15 @@ def main() -> None:
 
 
 def write_table(result: dict, args) -> None:
-    lines = [f"# Scaling of the default sweep (fp8 + int8_sq + int4_awq), {result['machine']}, {result['date']}", "",
-             f"Command: `python bench/scaling.py {' '.join(result['argv'])}` (predictions: what the sweep's plan printed "
-             "before it ran, from the cost records of the earlier rows; the first row of each part had none)", "",
+    lines = [f"# Scaling of the default sweep (fp8 + int8_sq + int4_awq), {result['machine']}, {result['date']}",
+             "",
+             f"Command: `python bench/scaling.py {' '.join(result['argv'])}` (predictions: what the sweep's plan "
+             "printed before it ran, from the cost records of the earlier rows; the first row of each part had none)",
+             "",
              f"A. Default model, calibration ({args.calib} x {args.seq} tokens, 3 precisions) done once beforehand: "
              f"{result['calibrate_once_s']} s", "",
-             "| eval windows | eval tokens | sweep wall (s) | plan predicted (s) | reference (s) | candidate evaluations (s) |",
+             "| eval windows | eval tokens | sweep wall (s) | plan predicted (s) | reference (s) "
+             "| candidate evaluations (s) |",
              "|---|---|---|---|---|---|"]
     shown = {id(r) for r in complete(result["tokens"]) + complete(result["widths"])}
 
@@ -153,8 +159,12 @@ def write_table(result: dict, args) -> None:
     for r in result["tokens"]:
         lines.append(f"| {r['windows']} | {r['eval_tokens']} | {r['wall_s']} | {pred(r)} | "
                      f"{r['stages'].get('reference', 0)} | {r['stages'].get('evaluate', 0)} |")
-    lines += ["", f"B. Random Llama-shaped models, 4 layers, cold cache; calibration and eval {args.b_windows} x {args.b_seq} tokens", "",
-              "| width | params (M) | sweep wall (s) | plan predicted (s) | quantize (s) | export (s) | reference (s) | candidate evaluations (s) |",
+    lines += ["",
+              f"B. Random Llama-shaped models, 4 layers, cold cache; calibration and eval {args.b_windows} x "
+              f"{args.b_seq} tokens",
+              "",
+              "| width | params (M) | sweep wall (s) | plan predicted (s) | quantize (s) | export (s) | reference (s) "
+              "| candidate evaluations (s) |",
               "|---|---|---|---|---|---|---|---|"]
     for r in result["widths"]:
         s = r["stages"]
@@ -175,15 +185,15 @@ def plot(result: dict, path: Path) -> None:
     a.plot(xs, [r["wall_s"] for r in result["tokens"]], "o-", label="measured")
     pred = [(r["eval_tokens"], r["plan_predicted_s"]) for r in complete(result["tokens"])]
     if pred:
-        a.plot(*zip(*pred), "x--", label="plan's prediction before the run")
+        a.plot(*zip(*pred, strict=True), "x--", label="plan's prediction before the run")
     a.set(xlabel="eval tokens", ylabel="sweep wall time (s)", title="default model, calibration cached")
     a.legend()
     ps = [r["params"] / 1e6 for r in result["widths"]]
     b.plot(ps, [r["wall_s"] for r in result["widths"]], "o-", label="measured")
     pred = [(r["params"] / 1e6, r["plan_predicted_s"]) for r in complete(result["widths"])]
     if pred:
-        b.plot(*zip(*pred), "x--", label="plan's prediction (from the narrower models)")
-    for r, p in zip(result["widths"], ps):
+        b.plot(*zip(*pred, strict=True), "x--", label="plan's prediction (from the narrower models)")
+    for r, p in zip(result["widths"], ps, strict=True):
         b.annotate(f"w={r['width']}", (p, r["wall_s"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
     b.set(xlabel="parameters (M)", ylabel="sweep wall time (s)", title="random Llama models, cold cache")
     b.legend()

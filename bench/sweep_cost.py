@@ -75,7 +75,8 @@ def naive(precisions, windows: int, calib: int, seq: int, cache: Path) -> tuple[
                     nll_r, nll_c = (nll_r + s, nll_c) if acc == "r" else (nll_r, nll_c + s)
                 agree += (lr[:, :-1].argmax(-1) == lc[:, :-1].argmax(-1)).sum().item()
         n = ev.shape[0] * (ev.shape[1] - 1)
-        out[name] = {"ppl_reference": math.exp(nll_r / n), "ppl_candidate": math.exp(nll_c / n), "top1_agreement": agree / n}
+        out[name] = {"ppl_reference": math.exp(nll_r / n), "ppl_candidate": math.exp(nll_c / n),
+                     "top1_agreement": agree / n}
     return time.time() - start, out, forwards
 
 

@@ -36,14 +36,17 @@ class RunResult:
 
     @property
     def passed(self) -> bool:
+        """True when the run exited 0 (may ship); False when a gate or the checkpoint audit failed (exit 1)."""
         return self.exit_code == 0
 
     @property
     def metrics(self) -> dict:
+        """metrics.json's "metrics" section (metric name -> its value record); {} when the run stopped early."""
         return (self.doc or {}).get("metrics", {})
 
     @property
     def gate(self) -> dict:
+        """metrics.json's "gate" section (passed, checks); {} when the run stopped early."""
         return (self.doc or {}).get("gate", {})
 
 
@@ -67,7 +70,12 @@ def run(overrides: Sequence[str] | Config = (), run_dir: str | Path | None = Non
         argv = list(overrides)
         cfg, snapshot = compose(argv)
     run_dir = Path(run_dir) if run_dir else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S_api")
-    code = run_pipeline(cfg, run_dir.resolve(), snapshot, argv)
+    if cfg.search is not None:  # +search=...: the search driver (search.json, report.md; metrics.json per evaluation)
+        from quantlab.search import run_search
+
+        code = run_search(cfg, run_dir.resolve(), snapshot, argv)
+    else:
+        code = run_pipeline(cfg, run_dir.resolve(), snapshot, argv)
 
     def read(name):
         path = run_dir / name

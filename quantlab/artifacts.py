@@ -128,8 +128,9 @@ class ArtifactStore:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise (_no_room(exc, self.root) or QuantlabError(f"the cache {self.root} cannot be created ({exc.strerror})",
-                                                             fix="set cache_dir to a writable directory")) from None
+            raise (_no_room(exc, self.root)
+                   or QuantlabError(f"the cache {self.root} cannot be created ({exc.strerror})",
+                                    fix="set cache_dir to a writable directory")) from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise QuantlabError(f"the cache {self.root} is not writable",
                                 fix="set cache_dir (or $QUANTLAB_CACHE) to a writable directory")
@@ -159,7 +160,8 @@ class ArtifactStore:
                 expected = manifest["files"]
                 actual = fingerprint_files(path)
                 if actual != expected:
-                    changed = sorted(set(expected) ^ set(actual) | {k for k in expected if actual.get(k) != expected[k]})
+                    changed = sorted(set(expected) ^ set(actual)
+                                     | {k for k in expected if actual.get(k) != expected[k]})
                     raise ValueError(f"files changed since they were written: {', '.join(changed[:5])}")
         except (ValueError, KeyError, json.JSONDecodeError) as exc:
             log.warning("cache entry %s/%s is damaged (%s); rebuilding it", stage, key, exc)
@@ -262,5 +264,6 @@ class ArtifactStore:
                 manifest = json.loads(manifest_path.read_text())
             except json.JSONDecodeError:
                 continue
-            out.append(Artifact(manifest_path.parent.parent.name, manifest_path.parent.name, manifest_path.parent, manifest))
+            out.append(Artifact(manifest_path.parent.parent.name, manifest_path.parent.name, manifest_path.parent,
+                                manifest))
         return out

@@ -30,7 +30,8 @@ def _store(cache_dir: str | None) -> ArtifactStore:
         root = Path(cache_dir).expanduser()
         if not cache_dir.strip() or not root.is_dir():
             raise QuantlabError(f"--cache-dir {cache_dir!r} is not an existing cache directory",
-                                fix="point --cache-dir at a quantlab cache (default: $QUANTLAB_CACHE or ~/.cache/quantlab)")
+                                fix="point --cache-dir at a quantlab cache "
+                                    "(default: $QUANTLAB_CACHE or ~/.cache/quantlab)")
     return ArtifactStore(cache_dir)
 
 

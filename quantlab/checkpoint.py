@@ -69,11 +69,12 @@ def read_safetensors_header(file: Path) -> dict[str, dict]:
         if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise _bad(file, f"tensor {name[:80]!r}: its byte range does not match its shape and dtype")
         if offsets[1] > data_size:
-            raise QuantlabError(f"{file.name} is truncated or corrupt: tensor {name} ends at byte {8 + n + offsets[1]}, "
-                                f"the file has {size}", fix="re-download or re-save the checkpoint")
+            raise QuantlabError(f"{file.name} is truncated or corrupt: tensor {name} ends at byte "
+                                f"{8 + n + offsets[1]}, the file has {size}",
+                                fix="re-download or re-save the checkpoint")
         spans.append((offsets[0], offsets[1], name))
     spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise _bad(file, f"tensors {a[:60]!r} and {b[:60]!r} overlap")
     end = spans[-1][1] if spans else 0
@@ -84,6 +85,7 @@ def read_safetensors_header(file: Path) -> dict[str, dict]:
 
 
 def safetensors_files(directory: Path) -> list[Path]:
+    """The *.safetensors files directly in directory, sorted by name."""
     return sorted(Path(directory).glob("*.safetensors"))
 
 
@@ -125,6 +127,7 @@ class CheckpointTensors:
         return name in self.where
 
     def names(self) -> list[str]:
+        """Every tensor name of the checkpoint."""
         return list(self.where)
 
     def dtype_of(self, name: str) -> str | None:
@@ -133,10 +136,13 @@ class CheckpointTensors:
         return entry["dtype"] if entry else None
 
     def shape_of(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's shape from its header, without reading it; None when there is no such tensor."""
         entry = self.headers.get(name)
         return tuple(entry["shape"]) if entry else None
 
     def get(self, name: str, dtype=None, shape: tuple | None = None):
+        """Read one tensor. A missing tensor, or one of another dtype or shape than those given, is a
+        QuantlabError (exit 2) that names it."""
         if name not in self.where:
             raise QuantlabError(f"exported checkpoint {self.ckpt} is missing tensor {name}",
                                 fix="re-export the checkpoint (delete its cache entry or rerun quantization)")
@@ -150,12 +156,15 @@ class CheckpointTensors:
         return t
 
     def optional(self, name: str, dtype=None, shape: tuple | None = None):
+        """get() for a tensor the checkpoint may lack: None when absent, checked like get() when present."""
         return self.get(name, dtype, shape) if name in self else None
 
 
 # ------------------------------------------------------------------------------------------ quant config
 @dataclass(frozen=True)
 class LayerFormat:
+    """One layer's declared format: its quant_algo and, for group-wise formats, the group size."""
+
     quant_algo: str
     group_size: int | None = None
 
@@ -175,6 +184,7 @@ class QuantConfig:
 
     @property
     def mixed(self) -> bool:
+        """True for a mixed-precision export (per-layer formats in `layers`)."""
         return bool(self.layers)
 
     def format_of(self, module: str) -> LayerFormat | None:
@@ -186,6 +196,7 @@ class QuantConfig:
         return LayerFormat(self.quant_algo, self.group_size)
 
     def algos(self) -> set[str]:
+        """Every quant_algo the export declares (each layer's for a mixed export); empty when none."""
         return {f.quant_algo for f in self.layers.values()} if self.layers else ({self.quant_algo} - {None})
 
 

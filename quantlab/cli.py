@@ -27,7 +27,7 @@ from quantlab.report.sweep import STATUS, exit_codes
 
 LOCAL_LAUNCHERS = ("basic", "joblib", "submitit_local")  # jobs run on this machine
 HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
-GROUPS = ("precision", "kv_cache", "engine", "gate", "model")
+GROUPS = ("precision", "kv_cache", "engine", "gate", "model", "search")
 log = logging.getLogger("quantlab")
 
 
@@ -101,7 +101,10 @@ def _check_key(path: list[str], full: str, choices: _Choices) -> None:
 
 def check_argv(args: list[str]) -> list[str]:
     """Validate overrides before Hydra composes; returns them normalized (quantlab.compose.normalize)."""
+    from quantlab.compose import implied
+
     args = normalize(args)
+    args = args + implied([a for a in args if not a.startswith("-")])
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -177,7 +180,13 @@ def _task(dict_cfg) -> None:
     error = None
     try:
         cfg = OmegaConf.to_object(dict_cfg)
-        code = run_pipeline(cfg, run_dir, OmegaConf.to_container(dict_cfg, resolve=True), sys.argv[1:])
+        snapshot = OmegaConf.to_container(dict_cfg, resolve=True)
+        if cfg.search is not None:
+            from quantlab.search import run_search
+
+            code = run_search(cfg, run_dir, snapshot, sys.argv[1:])
+        else:
+            code = run_pipeline(cfg, run_dir, snapshot, sys.argv[1:])
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
         code, error = exc.exit_code, str(exc)
@@ -218,6 +227,10 @@ def _main(args: list[str]) -> int:
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if plan_only and any(a.lstrip("+").startswith("search=") for a in args):
+        print("quantlab: error: --plan prices declared runs; a search chooses its candidates from its own evaluations "
+              "-- run it (every export and evaluation is cached, so a rerun costs nothing)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     launcher = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")), "basic")
     if plan_only or multirun:
         from quantlab.plan import print_plan
@@ -244,7 +257,8 @@ def _main(args: list[str]) -> int:
         if exc.code not in (0, None):
             if not _outcomes and not (sweep_dir and sweep_dir.is_dir() and exit_codes(sweep_dir)):
                 return EXIT_BAD_INPUT  # Hydra rejected the config before any run started (message already printed)
-            return max(_outcomes + (exit_codes(sweep_dir) if sweep_dir and sweep_dir.is_dir() else []) + [EXIT_INTERNAL])
+            return max(_outcomes + (exit_codes(sweep_dir) if sweep_dir and sweep_dir.is_dir() else [])
+                       + [EXIT_INTERNAL])
     codes = list(_outcomes)
     if sweep_dir is not None and sweep_dir.is_dir():
         codes += exit_codes(sweep_dir)

@@ -41,6 +41,39 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
+def _given(overrides: Sequence[str], key: str) -> str | None:
+    for arg in overrides:
+        bare = arg.lstrip("+~")
+        if bare.startswith(f"{key}="):
+            return bare.split("=", 1)[1]
+    return None
+
+
+def implied(overrides: Sequence[str]) -> list[str]:
+    """Group choices the command implies when it does not make them: a checkpoint made elsewhere
+    (engine.checkpoint=DIR) says its own precision and KV cache format; the search evaluates mixed precision."""
+    extra = []
+    has_precision = _given(overrides, "precision") is not None
+    checkpoint = _given(overrides, "engine.checkpoint")
+    if checkpoint and not has_precision:
+        from pathlib import Path
+
+        from quantlab.checkpoint import read_quant_config
+        from quantlab.precisions import PRECISIONS
+
+        quant = read_quant_config(Path(checkpoint).expanduser(), required=True)
+        entry = PRECISIONS.find(lambda p: p.quant_algo == quant.quant_algo)
+        if entry is None:
+            raise QuantlabError(f"engine.checkpoint {checkpoint} is {quant.quant_algo}, which no quantlab precision "
+                                f"reads", fix=f"precisions: {', '.join(PRECISIONS)}")
+        extra.append(f"precision={entry.name}")
+        if _given(overrides, "kv_cache") is None:
+            extra.append(f"kv_cache={'fp8' if quant.kv_cache_quant_algo == 'FP8' else 'none'}")
+    elif _given(overrides, "search") and not has_precision:
+        extra.append("precision=mixed")
+    return extra
+
+
 def normalize(overrides: Sequence[str]) -> list[str]:
     """Spellings Hydra would refuse, made what the user meant:
     - `+precision=fp8` (the spelling the docs have always used) selects the group option like `precision=fp8`
@@ -67,7 +100,7 @@ def compose(overrides: Sequence[str]) -> tuple[Config, dict]:
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            dict_cfg = hydra_compose("config", overrides=normalize(overrides))
+            dict_cfg = hydra_compose("config", overrides=normalize(list(overrides) + implied(overrides)))
         return OmegaConf.to_object(dict_cfg), OmegaConf.to_container(dict_cfg, resolve=False)
     except (HydraException, OmegaConfBaseException) as exc:
         raise QuantlabError(f"the configuration does not compose: {str(exc).splitlines()[0]}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -53,6 +53,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on CPU (bf16 matmul is ~400x slower there), bfloat16 on GPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     device_map: Optional[str] = None  # one of DEVICE_MAPS, to spread a large model over several GPUs
+    unverified_family: bool = False  # run a family the support table (quantlab.families) does not list
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -146,6 +147,22 @@ class GateConfig:
     baseline_alpha: float = 0.05
 
 
+# --------------------------------------------------------------------------------------------- search
+@dataclass
+class SearchConfig:
+    """+search=cheapest: the cheapest per-layer formats that pass the gate on the exported checkpoint
+    (quantlab.search). Every candidate is exported and evaluated by the run's engine with the run's gate; the
+    thresholds are the gate's base thresholds for every candidate (gate.per_precision does not apply: one bar)."""
+
+    formats: List[str] = field(default_factory=lambda: ["int4_awq", "fp8", "none"])  # per-layer choices
+    int4_block_sizes: List[int] = field(default_factory=lambda: [32])  # more group sizes for int4 layers (auto's too)
+    kv_cache: List[str] = field(default_factory=lambda: ["none"])  # KV formats tried on the winner (none | fp8)
+    cost: str = "bits"  # bits: stored bits per weight, scales included | aq_bits: AutoQuantize's count (no scales)
+    max_evaluations: int = 6  # full gate evaluations of exported checkpoints, uniform comparisons included
+    score_samples: Optional[int] = None  # calibration windows scored for sensitivity (null: all of calib)
+    resolution_bits: float = 0.05  # stop when the cheapest pass and the dearest fail are this close
+
+
 # ----------------------------------------------------------------------------------------------- root
 STAGES = ("prepare", "data", "quantize", "export", "build", "evaluate")  # stop_after cuts the run after one
 
@@ -162,3 +179,4 @@ class Config:
     cache_dir: Optional[str] = None  # default: $QUANTLAB_CACHE or ~/.cache/quantlab
     stop_after: Optional[str] = None  # one of STAGES, to end the run early
     quiet: bool = False
+    search: Optional[SearchConfig] = None  # +search=cheapest: find the cheapest configuration that passes

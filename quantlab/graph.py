@@ -32,13 +32,15 @@ log = logging.getLogger("quantlab")
 # ------------------------------------------------------------------------------------------------ steps
 def steps_for(ctx: RunContext) -> list[Step]:
     """The run's steps in order, cut after cfg.stop_after."""
-    from quantlab.stages import data, evaluate, export, prepare, quantize
+    from quantlab.stages import audit, data, evaluate, export, prepare, quantize
 
     cfg = ctx.cfg
     steps = [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)]
     if ctx.engine.runs != "model" or cfg.stop_after in ("quantize", "export"):
         steps.append(quantize.step(ctx))
         steps.append(export.external_step(ctx) if ctx.external_checkpoint else export.step(ctx))
+        if ctx.engine.runs == "checkpoint" or cfg.stop_after == "export":
+            steps.append(audit.step(ctx))  # every checkpoint that would ship, before any evaluation of it
     steps.append(evaluate.reference_step(ctx))
     steps.append(evaluate.engine_build_step(ctx))
     steps += [evaluate.candidate_step(ctx, ENGINES[name]) for name in ctx.candidates()]
@@ -73,12 +75,15 @@ class EngineInputsView:
         self.device_map, self.store = ctx.cfg.model.device_map, ctx.store
 
     def checkpoint(self):
+        """The export step's value: the checkpoint Artifact (built, loaded, or the external one)."""
         return self._r.value("export")
 
     def calibrated_model(self):
+        """An unused fake-quant model: the one calibration left in memory, else restored from the saved state."""
         return self._r.value("quantize").fresh()
 
     def reference_model(self):
+        """The unquantized model, loaded anew with the run's device, dtype and device_map."""
         from quantlab.models import load_model
 
         return load_model(self.ref, self.device, self.dtype, self.device_map)
@@ -101,17 +106,21 @@ class Executor:
 
     @property
     def store(self) -> ArtifactStore:
+        """The run's artifact store."""
         return self.ctx.store
 
     def has(self, name: str) -> bool:
+        """Whether the run has a step called name."""
         return name in self.steps
 
     def key(self, name: str) -> str | None:
+        """The step's cache key (None: an action, never cached), formed once."""
         if name not in self.keys:
             self.keys[name] = self.steps[name].key(self)
         return self.keys[name]
 
     def fingerprint(self, name: str) -> str:
+        """The step's fingerprint: its stored artifact's, else its value's (source steps). Loads or builds the step."""
         value = self.value(name)
         art = self.artifacts.get(name)
         return art.fingerprint if art is not None else value.fingerprint
@@ -130,6 +139,9 @@ class Executor:
                 self._clock[-1] += total
 
     def value(self, name: str) -> Any:
+        """The step's value, loaded or built once: a source step is loaded, an action (key None) is run, any other
+        step is read from the store or built into it. A step being built may read only its `needs` and cheap
+        steps; reading another is an AssertionError."""
         if name in self.values:
             return self.values[name]
         step = self.steps[name]
@@ -165,6 +177,7 @@ class Executor:
         return built
 
     def run(self, names: list[str]) -> None:
+        """Materialize the named steps in order (each loaded or built, with what it needs)."""
         for name in names:
             self.value(name)
 
@@ -172,6 +185,9 @@ class Executor:
 # -------------------------------------------------------------------------------------------- pricer
 @dataclass
 class Priced:
+    """One row of a plan: a step, its key and status (cached / build / shared / local / external / not needed /
+    run), the time estimate of a step to build, and whether its key is a placeholder."""
+
     name: str
     stage: str
     key: str
@@ -199,12 +215,16 @@ class Pricer:
 
     @property
     def store(self) -> ArtifactStore:
+        """The run's artifact store."""
         return self.ctx.store
 
     def has(self, name: str) -> bool:
+        """Whether the run has a step called name."""
         return name in self.steps
 
     def key(self, name: str) -> str | None:
+        """The step's cache key as the executor would form it, without building. "pending:<name>" when it needs a
+        value that does not exist yet; every key formed from it is then marked a placeholder."""
         if name not in self.keys:
             self._forming.append(name)
             try:
@@ -226,6 +246,8 @@ class Pricer:
         return self.found[name]
 
     def fingerprint(self, name: str) -> str:
+        """The step's fingerprint without building: a source step's value's; otherwise the stored artifact's, or
+        "pending:<key>" when not stored (keys formed from it become placeholders), and the step is demanded."""
         step = self.steps[name]
         if step.source:
             return self.value(name).fingerprint
@@ -288,6 +310,8 @@ class Pricer:
                 self.demand(need)
 
     def price(self, target_names: list[str]) -> list[Priced]:
+        """Demand the targets, then one Priced row per step in run order, with an estimate from earlier builds for
+        each step to build. Steps to build are added to `seen`, so a later run of the sweep finds them 'shared'."""
         for name in target_names:
             self.demand(name)
         out = []

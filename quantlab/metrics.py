@@ -23,7 +23,8 @@ METRICS_SCHEMA = "quantlab.metrics/2"  # the schema string of metrics.json (quan
 # Part of the reference and evaluation cache keys: outputs computed by another formula are never mixed.
 # 2: log p = logits - logsumexp (was log_softmax, which carries a -8e-6 nats/token rounding bias in fp32)
 # 3: exact full-vocabulary KL from cached reference hidden states; per-position arrays per block of windows
-FORMULA_VERSION = 3
+# 4: MoE router top-k ids kept in reference blocks (router agreement)
+FORMULA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ for _name, _spec in {
                                    "(relative to the true next token)", 0.0, in_table=False, range=_P),
     "net_flip_rate": MetricSpec(False, "(right->wrong - wrong->right) / positions: top-1 accuracy lost", 0.0,
                                 in_table=False, range=(-1.0, 1.0)),
+    "router_topk_agreement": MetricSpec(True, "MoE models: share of (position, MoE layer) pairs where the candidate "
+                                              "routes to the same set of top-k experts as the reference", 1.0,
+                                        range=_P),
     "gen_exact_match": MetricSpec(True, "share of prompts whose greedy continuation (N new tokens) is identical",
                                   1.0, range=_P),
     "gen_first_divergence": MetricSpec(True, "mean index of the first differing generated token (N when identical)",
@@ -144,6 +148,11 @@ def _compare_positions_f64(ref_logits, cand_logits, targets) -> dict:
             "kl": kl, "dp_true": (lp_c.gather(-1, t)[..., 0].exp() - lp_r.gather(-1, t)[..., 0].exp()).float(),
             "dp_top": (lp_c.gather(-1, top)[..., 0].exp() - lp_r.gather(-1, top)[..., 0].exp()).float(),
             "argmax_ref": top[..., 0].int(), "argmax_cand": cand_logits.argmax(-1).int()}
+
+
+def router_agreement(ref_ids, cand_ids):
+    """[B, T] share of MoE layers where the candidate's top-k expert set equals the reference's (ids sorted)."""
+    return (ref_ids.to(cand_ids.device) == cand_ids).all(-1).float().mean(-1)
 
 
 def nll_and_argmax(logits, targets):
@@ -252,8 +261,11 @@ def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> 
     mean, lo, hi = stats.t_interval(dn, confidence)
     put("ppl_ratio", math.exp(mean), (math.exp(lo), math.exp(hi)))
     put("dnll_mean", mean, (lo, hi))
-    for name, key in (("top1_agreement", "agree"), ("kl_mean", "kl"), ("dp_true_mean", "dp_true"),
-                      ("flip_rate", "flip_rate"), ("net_flip_rate", "net_flip")):
+    keys = [("top1_agreement", "agree"), ("kl_mean", "kl"), ("dp_true_mean", "dp_true"), ("flip_rate", "flip_rate"),
+            ("net_flip_rate", "net_flip")]
+    if "router_agree" in w.a:
+        keys.append(("router_topk_agreement", "router_agree"))
+    for name, key in keys:
         mean, lo, hi = stats.t_interval(w.per_window(key), confidence)
         put(name, mean, (lo, hi))
     kl_rows = list(w.a["kl"].astype(np.float64))

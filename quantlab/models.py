@@ -27,6 +27,7 @@ class ModelRef:
     source: str  # embedded | path
     config: dict = field(repr=False)
     trust_remote_code: bool = False
+    family: str | None = None  # quantlab.families entry (None: unverified)
 
     @cached_property
     def num_params(self) -> int:
@@ -68,6 +69,15 @@ def load_tokenizer(ref: ModelRef):
     return check_tokenizer(ref.path, ref.trust_remote_code)
 
 
+def attn_implementation(config: dict) -> str | None:
+    """The attention implementation a family must run with to compute what it defines (Gemma 2's soft-capping is
+    ignored by sdpa, so it loads with eager)."""
+    from quantlab.families import FAMILIES
+
+    family = FAMILIES.find(lambda f: f.name == config.get("model_type"))
+    return family.attn_implementation if family else None
+
+
 def check_finite(model, what: str) -> None:
     """A NaN or Inf weight makes every metric meaningless: refuse it by name before any forward pass."""
     import torch
@@ -84,6 +94,9 @@ def load_model(ref: ModelRef, device, dtype, device_map: str | None = None):
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": ref.trust_remote_code, "use_safetensors": True}
+    implementation = attn_implementation(ref.config)
+    if implementation:
+        kwargs["attn_implementation"] = implementation
     if device_map:
         kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(ref.path, **kwargs)

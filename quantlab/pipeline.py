@@ -21,7 +21,8 @@ from quantlab.stages import evaluate, gate
 from quantlab.step import RunContext
 
 log = logging.getLogger("quantlab")
-REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.json", "checkpoint", "traceback.txt")
+REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.json", "checkpoint", "traceback.txt",
+                "audit.json")
 
 
 def context(cfg: Config) -> RunContext:
@@ -72,6 +73,7 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
     # ---- inputs, and every check that needs them, before any compute
     ref = run.value("prepare")
     record["model"] = ref.describe()
+    preflight.check_family(cfg, ref, ctx)
     preflight.check_lengths(cfg, ref.max_positions)
     limits = evaluate.limits(run)
     limits.check(cfg.eval.batch_size, cfg.eval.seq_len)
@@ -91,6 +93,19 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
         from quantlab.stages.quantize import request
 
         record["recipe"] = request(run).recipe  # an impossible block size fails here, before calibration
+
+    # ---- the checkpoint's audit: seconds, before any evaluation; an error stops the run (exit 1)
+    if run.has("audit"):
+        report = run.value("audit")
+        record["audit"] = audit_record(report)
+        if not report.passed:
+            record["artifacts"] = _artifacts(run)
+            _link(run_dir / "checkpoint", run.values["export"].path)
+            write_audit_reports(run_dir, report, ref.name, ctx.precision.name, cfg.kv_cache.dtype)
+            first = report.errors[0]
+            return _finish(record, run_dir, run, start, EXIT_GATE_FAILED,
+                           f"the checkpoint audit found {len(report.errors)} error(s), first [{first.check}] "
+                           f"{first.message}; nothing was evaluated (details in {run_dir / 'report.md'})")
 
     # ---- the graph's targets (each builds what it needs, once)
     run.run(targets(steps))
@@ -117,7 +132,9 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
                          "seq_len": evalset.seq_len, "source": evalset.info["source"],
                          "tokens": used * evalset.seq_len, "kl": "exact over the full vocabulary (reference logits "
                                                                 "recomputed from its cached final hidden states)"},
-                "checkpoint": record["artifacts"].get("export"),
+                "checkpoint": record["artifacts"].get("export"), "family": ref.family,
+                "experts": _expert_coverage(record["artifacts"].get("quantize")),
+                "audit": record.get("audit"),
                 "reference_forward_batches": run.values["reference"].forward_batches,
                 "candidate_forward_batches": result.forward_batches}
     from quantlab.report import documents
@@ -138,6 +155,13 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
     return _finish(record, run_dir, run, start, code, what)
 
 
+def _expert_coverage(quantize: dict | None) -> dict | None:
+    """Per-expert calibration token counts of an MoE model (None for dense models or a reused export)."""
+    if not quantize or not quantize.get("expert_tokens"):
+        return None
+    return {"tokens": quantize["expert_tokens"], "below_min_tokens": quantize.get("experts_below_min_tokens", {})}
+
+
 def _artifacts(run: Executor) -> dict:
     out = {}
     for name in ("prepare", "quantize", "export"):
@@ -156,6 +180,38 @@ def _link(link: Path, target: Path) -> None:
         tmp.unlink()
     os.symlink(target, tmp)
     os.replace(tmp, link)
+
+
+def audit_record(report) -> dict:
+    """What run.json and metrics.json keep of the audit: verdict, counts, the error and warning findings."""
+    return {"passed": report.passed, "counts": report.summary(), "seconds": report.timings.get("total"),
+            "canary": report.canary, "findings": [f.to_dict() for f in report.findings if f.severity != "info"]}
+
+
+def write_audit_reports(run_dir: Path, report, model: str, precision: str, kv: str) -> None:
+    """A run stopped by its checkpoint's audit: audit.json, report.md / report.html with the findings, and a
+    junit.xml with one failing test case per error (a CI reads the same verdict as the exit code)."""
+    import xml.etree.ElementTree as ET
+
+    from quantlab.artifacts import write_text_atomic
+    from quantlab.report.render import environment
+
+    write_json_atomic(run_dir / "audit.json", report.to_dict())
+    ctx = {"report": report.to_dict(), "model": model, "precision": precision, "kv": kv,
+           "errors": [f.to_dict() for f in report.errors], "warnings": [f.to_dict() for f in report.warnings]}
+    env = environment()
+    write_text_atomic(run_dir / "report.md", env.get_template("audit.md.j2").render(ctx))
+    write_text_atomic(run_dir / "report.html", env.get_template("audit.html.j2").render(ctx))
+    name = f"quantlab.{precision}.kv-{kv}.audit"
+    suite = ET.Element("testsuite", name=name, tests=str(len(report.errors)), failures=str(len(report.errors)),
+                       errors="0")
+    for f in report.errors:
+        case = ET.SubElement(suite, "testcase", classname=name, name=f"audit.{f.check}")
+        failure = ET.SubElement(case, "failure", message=f.message, type="audit")
+        failure.text = f"modules: {', '.join(f.modules)}\n{f.cause}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    write_text_atomic(run_dir / "junit.xml", ET.tostring(root, encoding="unicode", xml_declaration=True))
 
 
 def _finish(record: dict, run_dir: Path, run: Executor, start: float, code: int, what: str) -> int:

@@ -67,6 +67,7 @@ def plan_run(cfg, label: str, history: list[dict], seen: set) -> RunPlan:
     pricer = Pricer(ctx, steps, history, seen)
     try:
         ref = pricer.value("prepare")
+        preflight.check_family(cfg, ref, ctx)
         preflight.check_lengths(cfg, ref.max_positions)
         if pricer.has("quantize"):
             from quantlab.stages.quantize import request
@@ -116,14 +117,16 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
         cells = [_cell([s for s in p.steps if _column(s) == c]) for c in COLUMNS]
         unknown = any(s.status == "build" and not (s.estimate and s.estimate.known) for s in p.steps)
         todo = any(s.status == "build" for s in p.steps)
-        total = ("~" + _fmt(p.seconds()) + (" + ?" if unknown else "")) if todo and p.seconds() else ("?" if todo else "0s")
+        total = (("~" + _fmt(p.seconds()) + (" + ?" if unknown else "")) if todo and p.seconds()
+                 else ("?" if todo else "0s"))
         rows.append([p.label] + cells + [total])
     widths = [max(len(r[i]) for r in [head] + [r for r in rows if len(r) == len(head)]) for i in range(len(head))]
     lines = [f"quantlab plan: {len(plans)} run{'s' if len(plans) != 1 else ''}; cache {store.root}; "
              f"estimates from earlier builds on this machine ({costs.machine_id()}, {device_label})",
-             "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+             "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     for r in rows:
-        lines.append("  " + ("  ".join(c.ljust(w) for c, w in zip(r, widths)) if len(r) == len(head) else "  ".join(r)))
+        lines.append("  " + ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) if len(r) == len(head)
+                             else "  ".join(r)))
     steps = [s for p in plans for s in p.steps]
     todo = [s for s in steps if s.status == "build"]
     known = [s for s in todo if s.estimate and s.estimate.known]
@@ -160,7 +163,7 @@ def make_plan(args: list[str]) -> tuple[list[RunPlan], str, ArtifactStore]:
     plans, seen, store, history = [], set(), None, []
     device_label = ""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        for job, label in zip(jobs, labels):
+        for job, label in zip(jobs, labels, strict=True):
             try:
                 cfg = OmegaConf.to_object(compose(config_name="config", overrides=job))
                 if store is None:

@@ -48,6 +48,12 @@ class W4A8AwqConfig(Int4AwqConfig):
 
 
 @dataclass
+class MixedConfig(PrecisionConfig):
+    """Per-layer formats (MIXED_PRECISION), as `+search=cheapest` exports them. quantlab evaluates such a checkpoint
+    (engine.checkpoint=...); it makes one only through the search."""
+
+
+@dataclass
 class Nvfp4Config(PrecisionConfig):
     """NVFP4 W4A4: E2M1 values in blocks of 16 with FP8 block scales and a per-tensor scale (Blackwell or newer)."""
 
@@ -89,6 +95,8 @@ PRECISIONS.add("w4a8_awq", Precision("w4a8_awq", W4A8AwqConfig, "W4A8_AWQ_BETA_C
 PRECISIONS.add("nvfp4", Precision("nvfp4", Nvfp4Config, "NVFP4_DEFAULT_CFG", "NVFP4", (10, 0), "Blackwell or newer",
                                   4, fixed_block=16, scale_bits=8))
 
+PRECISIONS.add("mixed", Precision("mixed", MixedConfig, "", "MIXED_PRECISION", None, "per layer", 8))
+
 PRECISION_SCHEMAS: dict[str, type] = {name: p.schema for name, p in PRECISIONS.items()}
 
 
@@ -102,12 +110,16 @@ def precision_of(cfg: PrecisionConfig) -> Precision:
 
 
 def precision_by_algo(quant_algo: str) -> Precision | None:
+    """The precision whose export carries this quant_algo, or None."""
     return PRECISIONS.find(lambda p: p.quant_algo == quant_algo)
 
 
 # --------------------------------------------------------------------------------------------- KV cache
 @dataclass(frozen=True)
 class KvFormat:
+    """A KV cache format: the ModelOpt preset that quantizes the cache (None: not quantized), the
+    kv_cache_quant_algo its export carries, the compute capability it needs and its bits per value."""
+
     name: str
     modelopt_cfg: str | None
     quant_algo: str | None  # hf_quant_config.json kv_cache_quant_algo
@@ -121,6 +133,7 @@ KV_FORMATS.add("fp8", KvFormat("fp8", "FP8_KV_CFG", "FP8", (8, 9), 8))
 
 
 def kv_format(kv: KvCacheConfig) -> KvFormat:
+    """The registry entry of a kv_cache config, by kv_cache.dtype (an unknown one is exit 2)."""
     return KV_FORMATS.get(kv.dtype)
 
 
@@ -152,14 +165,15 @@ def resolve_block_size(precision: PrecisionConfig, in_dims: dict[str, int]) -> t
             where = ", ".join(f"{n} in={d}" for n, d in sorted(in_dims.items()))
             raise QuantlabError(f"no AWQ block size of {', '.join(map(str, BLOCK_CHOICES))} divides every quantized "
                                 f"input width ({where})", fix="set precision.block_size to a divisor of every width")
-        return fitting[0], f"auto: the largest of {'/'.join(map(str, BLOCK_CHOICES))} dividing every quantized input width"
+        return fitting[0], (f"auto: the largest of {'/'.join(map(str, BLOCK_CHOICES))} dividing every quantized "
+                            "input width")
     bad = {n: d for n, d in in_dims.items() if d % explicit}
     if bad:
         where = ", ".join(f"{n} in={d}" for n, d in sorted(bad.items()))
         fix = (f"use precision.block_size={fitting[0]} (or auto)" if fitting
                else "use precision.block_size=auto or a divisor of every width")
-        raise QuantlabError(f"AWQ block size {explicit} does not divide the input dimension of quantized layers ({where})",
-                            fix=fix)
+        raise QuantlabError(f"AWQ block size {explicit} does not divide the input dimension of quantized layers "
+                            f"({where})", fix=fix)
     return explicit, "explicit"
 
 
@@ -191,4 +205,8 @@ def modelopt_config(precision: PrecisionConfig, kv: KvCacheConfig, block_size: i
     kv_entry = kv_format(kv)
     if kv_entry.modelopt_cfg:
         cfg["quant_cfg"] = list(cfg["quant_cfg"]) + copy.deepcopy(getattr(mtq, kv_entry.modelopt_cfg)["quant_cfg"])
+    # ModelOpt gives every nn.LayerNorm an input quantizer (for FP8 attention fusion) that the export never ships
+    # (OPT, GPT-NeoX): the fake-quant model must quantize exactly what the checkpoint carries.
+    cfg["quant_cfg"] = list(cfg["quant_cfg"]) + [{"quantizer_name": "*", "parent_class": "nn.LayerNorm",
+                                                  "enable": False}]
     return cfg

@@ -62,7 +62,8 @@ def check_config(cfg: Config) -> None:
                             fix="set eval.seq_len to 2 or more")
     for knob, data in (("calib", cfg.calib), ("eval", cfg.eval)):
         if data.prefix_token not in (None, "eos", "bos"):
-            raise QuantlabError(f"{knob}.prefix_token={data.prefix_token!r} is not supported", fix="use eos, bos or null")
+            raise QuantlabError(f"{knob}.prefix_token={data.prefix_token!r} is not supported",
+                                fix="use eos, bos or null")
         if data.prefix_token and data.seq_len < 2:
             raise QuantlabError(f"{knob}.seq_len={data.seq_len} leaves no room for text after the prefix token",
                                 fix=f"set {knob}.seq_len to 2 or more")
@@ -89,6 +90,10 @@ def check_config(cfg: Config) -> None:
 
         check_backend(cfg.engine)
     check_options_take_effect(cfg, engine)
+    if precision.name == "mixed" and not getattr(cfg.engine, "checkpoint", None) and not getattr(cfg, "search", None):
+        raise QuantlabError("precision=mixed evaluates a checkpoint with per-layer formats; quantlab makes one only "
+                            "through the search", fix="pass engine.checkpoint=DIR, or run python -m quantlab "
+                                                      "+search=cheapest to find and export one")
     from quantlab.stages.gate import check_gate
 
     check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
@@ -108,7 +113,8 @@ def check_options_take_effect(cfg: Config, engine) -> None:
                             "unquantized model", fix="drop kv_cache, or choose the engine under test")
     if cfg.model.device_map and engine.name == "trtllm":
         raise QuantlabError("model.device_map places quantlab's own models; TensorRT-LLM splits a model with "
-                            "engine.tensor_parallel_size", fix="drop model.device_map and set engine.tensor_parallel_size")
+                            "engine.tensor_parallel_size",
+                            fix="drop model.device_map and set engine.tensor_parallel_size")
     external = getattr(cfg.engine, "checkpoint", None)
     if external and cfg.stop_after == "quantize":
         raise QuantlabError("stop_after=quantize with engine.checkpoint: the checkpoint was made elsewhere, so there "
@@ -125,6 +131,20 @@ def check_device(cfg: Config, device: Device) -> None:
             f"{precision.name}{kv_note} needs compute capability >= {need[0]}.{need[1]} ({precision.gpu_generation}); "
             f"{device.name} has {device.capability[0]}.{device.capability[1]}",
             fix="use int8_sq or int4_awq with kv_cache=none on this GPU, or run on a newer GPU")
+
+
+def check_family(cfg: Config, ref, ctx) -> None:
+    """The model's family must be verified for this precision and KV format (README support table), and what the
+    engine needs must run on this device (ModelOpt's NVFP4 fake-quant needs CUDA)."""
+    from quantlab.families import check_supported
+
+    family = check_supported(ref.config, ctx.precision.name, cfg.kv_cache.dtype, cfg.model.unverified_family)
+    ref.family = family.name if family else None
+    needs_fakequant = ctx.engine.runs == "calibrated" or cfg.eval.attribution
+    if needs_fakequant and ctx.precision.name == "nvfp4" and ctx.device.type != "cuda":
+        raise QuantlabError("ModelOpt's NVFP4 fake-quant model runs only on CUDA (its dynamic block quantizer), so "
+                            "engine=fakequant and eval.attribution need a GPU for nvfp4",
+                            fix="use engine=torch (it runs the NVFP4 export, emulated on a CPU), or run on a GPU")
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:

@@ -25,6 +25,7 @@ class Registry(Generic[T]):
         self._entries: dict[str, T] = {}
 
     def add(self, name: str, entry: T) -> T:
+        """Register entry under name and return it; a name registered twice is a ValueError (a bug, not bad input)."""
         if name in self._entries:
             raise ValueError(f"{self.what} {name!r} is registered twice")
         self._entries[name] = entry
@@ -35,6 +36,7 @@ class Registry(Generic[T]):
         return lambda entry: self.add(name, entry)
 
     def get(self, name: str) -> T:
+        """The entry called name; an unknown name is a QuantlabError (exit 2) with the closest name and the choices."""
         if name not in self._entries:
             raise QuantlabError(f"unknown {self.what} {name!r}{did_you_mean(name, self._entries)}",
                                 fix=f"use {self.knob} with one of: {', '.join(self._entries)}")
@@ -43,15 +45,19 @@ class Registry(Generic[T]):
     __getitem__ = get
 
     def find(self, predicate: Callable[[T], bool]) -> T | None:
+        """The first entry, in registration order, for which predicate is true; None if there is none."""
         return next((e for e in self._entries.values() if predicate(e)), None)
 
     def names(self) -> list[str]:
+        """Registered names in registration order."""
         return list(self._entries)
 
     def items(self):
+        """(name, entry) pairs in registration order."""
         return self._entries.items()
 
     def values(self):
+        """Entries in registration order."""
         return self._entries.values()
 
     def __contains__(self, name: object) -> bool:

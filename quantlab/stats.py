@@ -158,7 +158,7 @@ def boundaries(fractions: tuple[float, ...], alpha: float, kind: str, gamma: flo
             if target <= 0:
                 c = math.inf
             else:
-                c = float(optimize.brentq(lambda c_k: crossing(c_k) - target, -10, 40, xtol=1e-10))
+                c = float(optimize.brentq(lambda c_k, target=target: crossing(c_k) - target, -10, 40, xtol=1e-10))
             upper = c * math.sqrt(t) if math.isfinite(c) else s0[-1] + 10 * sd
             s = np.linspace(min(s0[0] - 10 * sd, upper - 20 * sd), upper, grid_n)
             f = (w0[None, :] * stats.norm.pdf((s[:, None] - s0[None, :]) / sd) / sd).sum(1)

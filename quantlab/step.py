@@ -47,6 +47,7 @@ class Step:
     # step reads or writes: how the plan tells cached from to-build for steps made of many artifacts
     @property
     def directory(self) -> str:
+        """The step's directory in the artifact store: store_stage when set, else its stage."""
         return self.store_stage or self.stage
 
 
@@ -63,14 +64,17 @@ class RunContext:
 
     @cached_property
     def precision(self) -> Precision:
+        """The registry entry of the configured precision."""
         return precision_of(self.cfg.precision)
 
     @cached_property
     def engine(self) -> EngineSpec:
+        """The registry entry of the configured engine."""
         return engine_of(self.cfg.engine)
 
     @property
     def kv_algo(self) -> str | None:
+        """The kv_cache_quant_algo the configured kv_cache exports ("FP8"); None when the KV cache is not quantized."""
         return kv_format(self.cfg.kv_cache).quant_algo
 
     def candidates(self) -> list[str]:
@@ -82,6 +86,7 @@ class RunContext:
 
     @property
     def external_checkpoint(self) -> str | None:
+        """engine.checkpoint: a checkpoint exported elsewhere, evaluated instead of quantizing (None: quantize here)."""
         return getattr(self.cfg.engine, "checkpoint", None)
 
 

@@ -73,13 +73,13 @@ def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
     torch.manual_seed(1234)
     if family == "llama":
         cfg = LlamaConfig(vocab_size=512, hidden_size=dims.get("hidden", 128), intermediate_size=dims.get("inter", 256),
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          tie_word_embeddings=False)
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tie_word_embeddings=False)
         model = LlamaForCausalLM(cfg)
     else:
         cfg = Qwen2Config(vocab_size=512, hidden_size=dims.get("hidden", 64), intermediate_size=dims.get("inter", 192),
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          tie_word_embeddings=True)
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(cfg)
     _train(model, tok_dir)
     model.save_pretrained(out, safe_serialization=True)
@@ -136,3 +136,71 @@ def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int 
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# ---------------------------------------------------------------------------------------- model families
+def _family_configs() -> dict:
+    """Tiny configs of every family in the README's support table (vocab of the test tokenizer)."""
+    import transformers as tf
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(base, tie_word_embeddings=False)),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(base, sliding_window=16)),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(base, tie_word_embeddings=True)),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(base, head_dim=16)),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(base, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(base, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(base, logits_scaling=4.0, embedding_multiplier=2.0,
+                                                                 residual_multiplier=0.5, attention_multiplier=0.25)),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
+                     dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256)),
+        "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, word_embed_proj_dim=64,
+                                                      max_position_embeddings=256)),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(base, head_dim=16)),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                   dict(base, head_dim=16, sliding_window=16, num_hidden_layers=4, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                        dict(base, head_dim=16, sliding_window=16, num_hidden_layers=4, sliding_window_pattern=2,
+                             query_pre_attn_scalar=16, final_logit_softcapping=30.0)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                    dict(base, head_dim=16, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                      dict(base, head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True, decoder_sparse_step=1)),
+    }
+
+
+def build_family(name: str, out: Path, tok_dir: Path, steps: int = 60) -> Path:
+    """A tiny model of a family, trained briefly on pydoc text, saved by transformers itself (safetensors)."""
+    import shutil
+
+    import torch
+
+    config_cls, model_cls, kwargs = _family_configs()[name]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1234)
+    model = model_cls(config_cls(**kwargs))
+    model.config.architectures = [model_cls.__name__]
+    _train(model, tok_dir, steps=steps)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tok_dir):
+    """family name -> a tiny trained checkpoint of it (built once per session)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family(name, tmp_path_factory.mktemp(f"family_{name}"), tok_dir)
+        return built[name]
+
+    return get

@@ -29,8 +29,8 @@ def _engine(model):
 
 
 def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, shared_cache):
-    code = run_api(["+precision=fp8", "engine=reference", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", *FAST],
-                   tmp_path)
+    code = run_api(["+precision=fp8", "engine=reference", f"model.path={tiny_llama}", f"cache_dir={shared_cache}",
+                    *FAST], tmp_path)
     doc = read_json(tmp_path / "metrics.json")
     m = doc["metrics"]
     assert m["top1_agreement"]["value"] == 1.0
@@ -52,7 +52,8 @@ def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
         for name, p in model.named_parameters():
             if "layers" in name and p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * p.std() * 3.0)
-    w = evaluate.compare_engines(_engine(load_model(ref, device, torch.float32)), _engine(model), evalset.tokens, cfg.eval)
+    w = evaluate.compare_engines(_engine(load_model(ref, device, torch.float32)), _engine(model), evalset.tokens,
+                                 cfg.eval)
     design = stats.make_design(w.n, w.n, 0.05, 0.2)
     checks = gate.evaluate_checks(gate.thresholds_for(cfg.gate, "fp8"), w, None, design, 0)
     failed = {c.metric for c in checks if c.verdict == "fail"}
@@ -149,6 +150,7 @@ def test_reference_outputs_computed_once_per_sweep(tiny_llama, tmp_path):
     cache = tmp_path / "cache"
     counts = []
     for precision in ("fp8", "int8_sq", "int4_awq"):
-        run_api([f"+precision={precision}", f"model.path={tiny_llama}", f"cache_dir={cache}", *FAST], tmp_path / precision)
+        run_api([f"+precision={precision}", f"model.path={tiny_llama}", f"cache_dir={cache}", *FAST],
+                tmp_path / precision)
         counts.append(read_json(tmp_path / precision / "metrics.json")["run"]["reference_forward_batches"])
     assert counts[0] > 0 and counts[1:] == [0, 0]

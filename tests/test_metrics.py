@@ -59,7 +59,8 @@ def test_distribution_percentiles_are_linear_interpolation():
 def _windows(n=6, t=10, seed=0):
     rng = np.random.default_rng(seed)
     a = {"nll_ref": rng.random((n, t), dtype=np.float32) + 1, "nll_cand": rng.random((n, t), dtype=np.float32) + 1,
-         "kl": rng.random((n, t), dtype=np.float32) * 0.1, "dp_true": rng.standard_normal((n, t)).astype(np.float32) * .01,
+         "kl": rng.random((n, t), dtype=np.float32) * 0.1,
+         "dp_true": rng.standard_normal((n, t)).astype(np.float32) * .01,
          "dp_top": rng.standard_normal((n, t)).astype(np.float32) * .01,
          "argmax_ref": rng.integers(0, 3, (n, t)).astype(np.int32),
          "argmax_cand": rng.integers(0, 3, (n, t)).astype(np.int32)}
@@ -78,7 +79,8 @@ def test_summarize_definitions():
     lo, hi = m["ppl_ratio"]["ci95"]
     assert lo <= m["ppl_ratio"]["value"] <= hi
     ref_ok, cand_ok = w.a["argmax_ref"] == w.targets, w.a["argmax_cand"] == w.targets
-    assert m["net_flip_rate"]["value"] == pytest.approx(((ref_ok & ~cand_ok).sum() - (~ref_ok & cand_ok).sum()) / w.a["kl"].size)
+    assert m["net_flip_rate"]["value"] == pytest.approx(((ref_ok & ~cand_ok).sum() - (~ref_ok & cand_ok).sum())
+                                                        / w.a["kl"].size)
     panel = metrics.behaviour(w)
     assert panel["flips"]["ref_right_cand_wrong"] == int((ref_ok & ~cand_ok).sum())
     assert panel["dp_true"]["share_up"] == pytest.approx((w.a["dp_true"] > 0).mean())
@@ -117,7 +119,8 @@ def test_mcnemar_golden():
 
 
 def test_spending_boundaries_match_published_values():
-    """Lan-DeMets boundaries for 5 equally spaced looks, one-sided alpha 0.025: O'Brien-Fleming type as published (Jennison & Turnbull); Pocock type as a 4-million-path simulation confirms (crossing 0.0249)."""
+    """Lan-DeMets boundaries for 5 equally spaced looks, one-sided alpha 0.025: O'Brien-Fleming type as published
+    (Jennison & Turnbull); Pocock type as a 4-million-path simulation confirms (crossing 0.0249)."""
     fr = (0.2, 0.4, 0.6, 0.8, 1.0)
     assert stats.boundaries(fr, 0.025, "obf") == pytest.approx((4.877, 3.357, 2.680, 2.290, 2.031), abs=2e-3)
     assert stats.boundaries(fr, 0.025, "pocock") == pytest.approx((2.438, 2.427, 2.410, 2.397, 2.386), abs=2e-3)

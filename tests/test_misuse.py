@@ -118,8 +118,8 @@ def test_quantized_checkpoint_is_not_a_reference(tiny_llama, tmp_path, shared_ca
 
 
 def test_pickle_beside_safetensors_is_never_loaded(tiny_llama, tmp_path):
-    from quantlab.models import load_model
     from quantlab.env import resolve_device
+    from quantlab.models import load_model
     from quantlab.stages import prepare
 
     model_dir = tmp_path / "with_pickle"
@@ -269,7 +269,8 @@ def test_nan_weight_is_refused_by_name(tiny_llama, tmp_path):
 
 
 HOSTILE = [
-    (b'{"w": {"dtype": "F32", "shape": [1000000000000, 1000000000000], "data_offsets": [0, 4]}}', "does not match its shape"),
+    (b'{"w": {"dtype": "F32", "shape": [1000000000000, 1000000000000], "data_offsets": [0, 4]}}',
+     "does not match its shape"),
     (b"[" * 100000, "header is not JSON"),
     (b'{"w": {"dtype": "XX", "shape": [1], "data_offsets": [0, 4]}}', "unknown dtype"),
     (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], '

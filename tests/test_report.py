@@ -123,8 +123,13 @@ def test_sweep_summary_three_runs_and_rebuild(tiny_llama, tmp_path, shared_cache
                            capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "summary.json").read_text()) == rows
-    bad = subprocess.run([sys.executable, "-m", "quantlab.summary", str(tmp_path / "nothing")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "no run directories" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "quantlab.summary", str(tmp_path / "nothing")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "not a directory" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, "-m", "quantlab.summary", str(tmp_path / "empty")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "no run directories" in bad.stderr and "Traceback" not in bad.stderr
     try:
         exe, sync_playwright = _chromium()
     except pytest.skip.Exception:

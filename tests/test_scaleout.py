@@ -15,7 +15,8 @@ def _sweep(tmp_path, name, tiny_llama, cache, launcher_args):
     res = run_cli(["-m", PRECISIONS, f"model.path={tiny_llama}", *FAST, *launcher_args], cwd=cwd, cache=cache)
     runs = sorted(cwd.glob("outputs/sweep_*/*/metrics.json"))
     metrics = {read_json(r)["run"]["precision"]: read_json(r)["metrics"] for r in runs}
-    built = [(e["stage"], e["key"]) for r in runs for e in read_json(r.parent / "run.json")["events"] if e["action"] == "built"]
+    built = [(e["stage"], e["key"]) for r in runs for e in read_json(r.parent / "run.json")["events"]
+             if e["action"] == "built"]
     return res, metrics, built, cwd
 
 
@@ -67,7 +68,8 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
     assert not list(cache.glob("*/*/manifest.json")) and not (tmp_path / "outputs").exists(), "--plan wrote something"
 
     # one precision first: its cost records are the history the plan predicts the second from
-    assert run_cli(["-m", "+precision=fp8", f"model.path={tiny_llama}", *FAST], cwd=tmp_path, cache=cache).returncode == 0
+    assert run_cli(["-m", "+precision=fp8", f"model.path={tiny_llama}", *FAST], cwd=tmp_path,
+                   cache=cache).returncode == 0
     plans = _plan_statuses(args, cache, monkeypatch)
     fp8, int8 = plans
     assert {s.name: s.status for s in fp8.steps} == {"prepare": "local", "data:calib": "cached", "data:eval": "cached",
@@ -85,7 +87,7 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
     res = run_cli(args, cwd=tmp_path / "sweep", cache=cache)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.index("quantlab plan: 2 runs") < res.stdout.index("quantlab: fp8"), "plan not printed first"
-    for plan, run_json in zip(plans, sorted((tmp_path / "sweep").glob("outputs/sweep_*/*/run.json"))):
+    for plan, run_json in zip(plans, sorted((tmp_path / "sweep").glob("outputs/sweep_*/*/run.json")), strict=False):
         events = {(e["stage"], e["key"]): e["action"] for e in read_json(run_json)["events"]}
         built_stages = [s for (s, _), action in events.items() if action == "built"]
         for step in plan.steps:
@@ -120,7 +122,8 @@ def test_cost_estimates():
     assert not estimate([rec(5.0, machine="elsewhere")], "evaluate", work("cpu:x", "fp8", 10, 1000)).known
     one = estimate([rec(5.0)], "evaluate", work("cpu:x", "fp8", 20, 3000))  # proportional in size and params
     assert one.seconds == pytest.approx(30.0) and not one.rough
-    fit = estimate([rec(3.0, size=1000), rec(5.0, size=2000), rec(9.0, size=4000)], "evaluate", work("cpu:x", "fp8", 10, 8000))
+    fit = estimate([rec(3.0, size=1000), rec(5.0, size=2000), rec(9.0, size=4000)], "evaluate",
+                   work("cpu:x", "fp8", 10, 8000))
     assert fit.seconds == pytest.approx(17.0) and "1.0 s fixed" in fit.basis  # 1 s + 2 s per 1000
     rough = estimate([rec(4.0, variant="int8_sq")], "evaluate", work("cpu:x", "fp8", 10, 1000))
     assert rough.seconds == pytest.approx(4.0) and rough.rough

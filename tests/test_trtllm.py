@@ -34,7 +34,8 @@ def test_llm_api_arguments_from_config():
 
 @pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
 def test_missing_trtllm_is_a_clear_exit_2(tmp_path, tiny_llama, shared_cache):
-    res = run_cli(["+precision=fp8", "engine=trtllm", f"model.path={tiny_llama}", *FAST], cwd=tmp_path, cache=shared_cache)
+    res = run_cli(["+precision=fp8", "engine=trtllm", f"model.path={tiny_llama}", *FAST], cwd=tmp_path,
+                  cache=shared_cache)
     assert res.returncode == 2
     assert "needs TensorRT-LLM" in res.stderr and "pip install tensorrt_llm" in res.stderr
 

@@ -30,22 +30,32 @@ class EngineInputs(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
+    """An engine's build limits: the longest input, the longest sequence (input + new tokens) and the largest
+    batch a request may have."""
+
     max_input_len: int
     max_seq_len: int
     max_batch_size: int
 
     def check(self, batch: int, length: int, new_tokens: int = 0) -> None:
+        """Refuse a request over the limits: batch > max_batch_size, length > max_input_len or
+        length + new_tokens > max_seq_len is a QuantlabError (exit 2) naming the knob to change."""
         if batch > self.max_batch_size:
             raise QuantlabError(f"request batch {batch} is over the engine's max_batch_size={self.max_batch_size}",
-                                fix=f"lower eval.batch_size to {self.max_batch_size} or rebuild with a larger engine.max_batch_size")
+                                fix=f"lower eval.batch_size to {self.max_batch_size} "
+                                    "or rebuild with a larger engine.max_batch_size")
         if length > self.max_input_len:
-            raise QuantlabError(f"request input length {length} is over the engine's max_input_len={self.max_input_len}",
-                                fix=f"lower eval.seq_len to {self.max_input_len} or rebuild with a larger engine.max_input_len")
+            raise QuantlabError(f"request input length {length} is over the engine's "
+                                f"max_input_len={self.max_input_len}",
+                                fix=f"lower eval.seq_len to {self.max_input_len} "
+                                    "or rebuild with a larger engine.max_input_len")
         if length + new_tokens > self.max_seq_len:
             raise QuantlabError(f"request length {length} + {new_tokens} new tokens is over the engine's "
-                                f"max_seq_len={self.max_seq_len}", fix="lower eval.seq_len / eval.gen_tokens or raise engine.max_seq_len")
+                                f"max_seq_len={self.max_seq_len}",
+                                fix="lower eval.seq_len / eval.gen_tokens or raise engine.max_seq_len")
 
     def describe(self) -> dict:
+        """The limits as a dict (in engine build records and candidate cache keys)."""
         return asdict(self)
 
 
@@ -54,11 +64,13 @@ class Outputs:
     or (engines that only give logits) the logits themselves. Nothing of size [positions x vocabulary] is made for
     more positions than asked for."""
 
-    def __init__(self, hidden=None, head=None, logits=None):
+    def __init__(self, hidden=None, head=None, logits=None, router=None):
         self.hidden, self.head, self._logits = hidden, head, logits
+        self.router = router  # [B, T, MoE layers, k] sorted expert ids (None: a dense model)
 
     @property
     def length(self) -> int:
+        """Positions T of the pass (from the hidden states, else the logits)."""
         return int((self.hidden if self.hidden is not None else self._logits).shape[1])
 
     def logits(self, lo: int, hi: int):

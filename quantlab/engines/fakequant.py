@@ -19,8 +19,10 @@ def exported_model(inputs):
     import torch
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
+    from quantlab import modelopt_compat
+
     model = inputs.calibrated_model()
-    with torch.no_grad():
+    with torch.no_grad(), modelopt_compat.fused_experts_resmooth():
         requantize_resmooth_fused_llm_layers(model)
     return model
 

@@ -93,8 +93,8 @@ class Head:
         tol = 1e-3 if direct.dtype == torch.float32 and hidden.dtype == torch.float32 else 2e-2
         worst = float((direct - ours.to(direct.device)).abs().max())
         if worst > tol * scale:
-            raise QuantlabError(f"{type(model).__name__}: quantlab cannot reproduce this family's logits from its final "
-                                f"hidden states (max difference {worst:.3g}; post-processing {self.post})",
+            raise QuantlabError(f"{type(model).__name__}: quantlab cannot reproduce this family's logits from its "
+                                f"final hidden states (max difference {worst:.3g}; post-processing {self.post})",
                                 fix="this model family is not supported yet (see the README's support table)")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from quantlab.engines.base import Engine, Limits, Outputs
 from quantlab.engines.head import CapturedHead
+from quantlab.engines.moe import RouterCapture
 
 
 class HFModelEngine(Engine):
@@ -16,14 +17,16 @@ class HFModelEngine(Engine):
         self.name = name
         self.captured = CapturedHead(model)
         self.head = self.captured.head
+        self.routers = RouterCapture(model)
         self._verified = False
 
     def _forward(self, tokens) -> Outputs:
         import torch
 
+        self.routers.taken = []
         with torch.no_grad():
             self.model(tokens.to(self.device), use_cache=False)
-        return Outputs(hidden=self.captured.take(), head=self.head)
+        return Outputs(hidden=self.captured.take(), head=self.head, router=self.routers.take(*tokens.shape))
 
     def head_weights(self) -> tuple:
         """(weight, bias) of the real output module (the reference's head is stored as weights)."""
@@ -37,6 +40,7 @@ class HFModelEngine(Engine):
         hidden = self._forward(tokens).hidden
         with self.captured.original():
             self.head.verify(self.model, tokens.to(self.device), hidden)
+        self.routers.taken = []
         self._verified = True
 
     def close(self) -> None:

@@ -139,6 +139,10 @@ class QuantLinear(nn.Module):
 
 
 class Fp8Linear(QuantLinear):
+    """FP8 E4M3 W8A8 with static per-tensor weight and input scales. torch._scaled_mm on GPUs with FP8, exact
+    emulation (fp32 accumulate) elsewhere. Siblings reading one input (q/k/v) may share its quantize
+    (SharedActivation)."""
+
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
                  bias: torch.Tensor | None, native: bool):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -183,7 +187,8 @@ class Fp8PcPtLinear(QuantLinear):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, native: bool):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.native = native
-        self.kernel = "torch._scaled_mm (fp8, row-wise scales)" if native else "fp8 per-token emulation (fp32 accumulate)"
+        self.kernel = ("torch._scaled_mm (fp8, row-wise scales)" if native
+                       else "fp8 per-token emulation (fp32 accumulate)")
         self.register_buffer("weight", weight)  # float8_e4m3fn [N, K]
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1))
         if not native:
@@ -212,6 +217,9 @@ class Fp8PcPtLinear(QuantLinear):
 
 
 class Int8SqLinear(QuantLinear):
+    """SmoothQuant W8A8: the input times pre_quant_scale, rounded to int8 with a static per-tensor scale; int8
+    weights with one scale per output channel; int32 accumulation with torch._int_mm."""
+
     kernel = "torch._int_mm (int8, int32 accumulate)"
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
@@ -244,6 +252,10 @@ class Int8SqLinear(QuantLinear):
 
 
 class Int4AwqLinear(QuantLinear):
+    """AWQ W4A16: int4 weights (packed two per byte along the output dimension) with one scale per group of
+    `block` inputs, dequantized once at load into the compute dtype. The input is multiplied by
+    pre_quant_scale when the checkpoint has one; the GEMM runs in the compute dtype."""
+
     kernel = "int4 dequantize (W4A16)"
 
     def __init__(self, packed: torch.Tensor, weight_scale: torch.Tensor, block: int,
@@ -263,7 +275,8 @@ class Int4AwqLinear(QuantLinear):
             raise QuantlabError(f"{name}: group_size {block} does not divide its input width {k}",
                                 fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
         pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
-        return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)), cls._scale(f"{name}.weight_scale", t, (n, k // block)),
+        return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)),
+                   cls._scale(f"{name}.weight_scale", t, (n, k // block)),
                    block, pqs, cls._bias(name, n, has_bias, t), ctx.compute_dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -378,3 +391,164 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
             setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8GatedMLP(gate, up, down))
             fused += 1
     return fused
+
+
+# ------------------------------------------------------------------------------- 4-bit formats with FP8 / FP4 parts
+class W4A8AwqLinear(QuantLinear):
+    """W4A8 AWQ: int4 weights with one scale per group of `group_size` inputs (weight_scale [out, in/G]), whose
+    dequantized values are held in FP8 E4M3 under a per-tensor scale (weight_scale_2), static per-tensor FP8
+    activations (input_scale) and, where export could not fold it into a norm, a pre_quant_scale [in].
+
+    What ModelOpt 0.47 exports and simulates (its weight quantizer is int4-per-group followed by FP8-per-tensor):
+    W = e4m3(int4 * weight_scale / weight_scale_2) * weight_scale_2 and x -> fp8_qdq(x * pre_quant_scale,
+    input_scale). The int4 codes are packed two per byte along the output dimension, as for W4A16_AWQ.
+    torch._scaled_mm on GPUs with FP8; elsewhere exact emulation (fp8 products are exact in fp32)."""
+
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale_2: torch.Tensor, input_scale: torch.Tensor,
+                 pre_quant_scale: torch.Tensor | None, bias: torch.Tensor | None, native: bool):
+        super().__init__(weight_fp8.shape[1], weight_fp8.shape[0], bias)
+        self.native = native
+        self.kernel = ("torch._scaled_mm (fp8; int4 weights held in fp8)" if native
+                       else "w4a8 emulation (int4 weights in fp8, fp32 accumulate)")
+        self.register_buffer("weight", weight_fp8)  # float8_e4m3fn [N, K]
+        self.register_buffer("weight_scale_2", weight_scale_2.float().reshape(()))
+        self.register_buffer("input_scale", input_scale.float().reshape(()))
+        self.register_buffer("inv_input_scale", 1.0 / self.input_scale)
+        self.register_buffer("pre_quant_scale", None if pre_quant_scale is None else
+                             pre_quant_scale.float().reshape(-1))
+        if not native:
+            self.register_buffer("weight_f32", weight_fp8.float())
+
+    @staticmethod
+    def fp8_weight(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+        """int4 codes [N/2, K] packed along N, group scales [N, K/G], per-tensor FP8 scale -> E4M3 [N, K]."""
+        q = unpack_int4(packed)
+        block = q.shape[1] // weight_scale.shape[1]
+        w = q.float() * weight_scale.float().repeat_interleave(block, dim=1)
+        return _fp8_quantize_eager(w, 1.0 / weight_scale_2.float())
+
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        n, k, block = out_features, in_features, fmt.group_size
+        if not block or k % block:
+            raise QuantlabError(f"{name}: group_size {block} does not divide its input width {k}",
+                                fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+        packed = t.get(f"{name}.weight", torch.uint8, (n // 2, k))
+        scale = cls._scale(f"{name}.weight_scale", t, (n, k // block))
+        scale_2 = cls._scale(f"{name}.weight_scale_2", t, ())
+        pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
+        if pqs is not None:
+            pqs = cls._scale(f"{name}.pre_quant_scale", t, (k,))
+        return cls(cls.fp8_weight(packed, scale, scale_2), scale_2, cls._scale(f"{name}.input_scale", t, ()), pqs,
+                   cls._bias(name, n, has_bias, t), ctx.native_fp8)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale_2
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if self.pre_quant_scale is not None:
+            x = x.float() * self.pre_quant_scale
+        xq = fp8_quantize(x, self.inv_input_scale)
+        if self.native:
+            rows = xq.shape[0]
+            out = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.input_scale,
+                                   scale_b=self.weight_scale_2, out_dtype=out_dtype)
+            return out[:rows]
+        return (xq.float() @ self.weight_f32.t()) * (self.input_scale * self.weight_scale_2)
+
+
+def _positive(name: str, value: torch.Tensor) -> torch.Tensor:
+    """checked_scale's value test for a scale read with its dtype checked too."""
+    if not torch.isfinite(value.float()).all() or (value.float() <= 0).any():
+        raise QuantlabError(f"tensor {name} holds non-positive or non-finite values",
+                            fix="re-export the checkpoint; calibration did not produce usable scales")
+    return value
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the 3 low bits of an E2M1 code; bit 3 = sign
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (0..15, bit 3 the sign) -> float32 values."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
+    return table[codes.long()]
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest E2M1 value (saturating at +-6); a tie goes to the value with the even code, as
+    ModelOpt's FP4 fake quantization rounds (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)."""
+    grid = torch.tensor(E2M1_VALUES, device=x.device)
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    mag = x.abs()
+    index = torch.bucketize(mag, midpoints)  # midpoints[i-1] < mag <= midpoints[i]: a tie goes down ...
+    odd_tie = torch.isin(mag, midpoints[1::2])  # ... except onto an odd code (0.5, 1.5, 3): then up
+    return torch.copysign(grid[index + odd_tie.long()], x)
+
+
+def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
+    """Dynamic NVFP4 activation quantize + dequantize: per block of `block` values along the last dimension, a scale
+    e4m3(block_amax / 6 / global_scale) * global_scale (global_scale = the exported input_scale = amax / 2688), then
+    E2M1 values times it. Scales below 1e-5 become 1.0, as in ModelOpt's fake quantization."""
+    shape = x.shape
+    xb = x.float().reshape(*shape[:-1], shape[-1] // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    scale = (amax / (E2M1_MAX * global_scale)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float() * global_scale
+    scale = torch.where(scale >= 1e-5, scale, torch.ones_like(scale))
+    return (e2m1_round(xb / scale) * scale).reshape(shape)
+
+
+class Nvfp4Linear(QuantLinear):
+    """NVFP4 W4A4: E2M1 weights packed two per byte along the input dimension (even column in the low nibble),
+    one FP8 E4M3 scale per block of 16 inputs (weight_scale [out, in/16]) times a per-tensor weight_scale_2;
+    activations quantized at run time per block of 16 with the exported input_scale as their global scale.
+    Emulated in fp32 (real FP4 GEMMs need Blackwell); the dequantized weight is exact."""
+
+    kernel = "nvfp4 emulation (e2m1 x fp8 block scales, fp32 accumulate)"
+
+    def __init__(self, weight: torch.Tensor, input_scale: torch.Tensor, pre_quant_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, block: int):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.block = block
+        self.register_buffer("weight", weight)  # dequantized fp32 [N, K]
+        self.register_buffer("input_scale", input_scale.float().reshape(()))
+        self.register_buffer("pre_quant_scale", None if pre_quant_scale is None else
+                             pre_quant_scale.float().reshape(-1))
+
+    @staticmethod
+    def dequantize(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+        """uint8 [N, K/2] codes, E4M3 [N, K/B] block scales, fp32 per-tensor scale -> fp32 [N, K]."""
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+        block = codes.shape[1] // weight_scale.shape[1]
+        scales = weight_scale.float().repeat_interleave(block, dim=1) * weight_scale_2.float()
+        return e2m1_decode(codes) * scales
+
+    @classmethod
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        n, k, block = out_features, in_features, fmt.group_size or NVFP4_BLOCK
+        if k % block or k % 2:
+            raise QuantlabError(f"{name}: NVFP4 group_size {block} does not divide its input width {k}",
+                                fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+        packed = t.get(f"{name}.weight", torch.uint8, (n, k // 2))
+        scale = _positive(f"{name}.weight_scale", t.get(f"{name}.weight_scale", torch.float8_e4m3fn, (n, k // block)))
+        scale_2 = cls._scale(f"{name}.weight_scale_2", t, ())
+        pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
+        if pqs is not None:
+            pqs = cls._scale(f"{name}.pre_quant_scale", t, (k,))
+        return cls(cls.dequantize(packed, scale, scale_2), cls._scale(f"{name}.input_scale", t, ()), pqs,
+                   cls._bias(name, n, has_bias, t), block)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        return nvfp4_qdq(x, self.input_scale, self.block) @ self.weight.t()
+
+
+QLAYERS.add("W4A8_AWQ", W4A8AwqLinear)
+QLAYERS.add("NVFP4", Nvfp4Linear)

@@ -59,7 +59,7 @@ def _all_algos(_: str) -> bool:
 def _torch_supports(quant_algo: str) -> bool:
     from quantlab.engines.qlayers import QLAYERS
 
-    return quant_algo in QLAYERS
+    return quant_algo in QLAYERS or quant_algo == "MIXED_PRECISION"  # mixed: every layer's format checked at load
 
 
 def _trtllm_available() -> str | None:
@@ -72,6 +72,10 @@ def _trtllm_available() -> str | None:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """One engine: its config schema, what it runs (one of RUNS), the "module:function" that builds it,
+    which quant_algos it supports, whether it is available here (None, or why not) and the config options
+    that change its outputs."""
+
     name: str
     schema: type | None  # None: internal, not selectable with engine=NAME
     runs: str  # one of RUNS
@@ -83,9 +87,11 @@ class EngineSpec:
 
     @property
     def public(self) -> bool:
+        """Selectable with engine=NAME (it has a config schema); the attribution rungs are not."""
         return self.schema is not None
 
     def builder(self) -> Callable:
+        """The function `build` names, imported now."""
         module, _, fn = self.build.partition(":")
         return getattr(importlib.import_module(module), fn)
 
@@ -96,8 +102,8 @@ ENGINES.add("torch", EngineSpec("torch", TorchEngineConfig, "checkpoint", "quant
 ENGINES.add("trtllm", EngineSpec("trtllm", TrtllmEngineConfig, "checkpoint", "quantlab.engines.trtllm:build",
                                  "TensorRT-LLM's LLM API on the exported checkpoint", available=_trtllm_available,
                                  identity=lambda cfg: {"backend": cfg.trtllm_backend}))
-ENGINES.add("fakequant", EngineSpec("fakequant", FakequantEngineConfig, "calibrated", "quantlab.engines.fakequant:plain",
-                                    "ModelOpt's fake-quant model as calibrated"))
+ENGINES.add("fakequant", EngineSpec("fakequant", FakequantEngineConfig, "calibrated",
+                                    "quantlab.engines.fakequant:plain", "ModelOpt's fake-quant model as calibrated"))
 ENGINES.add("reference", EngineSpec("reference", ReferenceEngineConfig, "model", "quantlab.engines.hf:reference",
                                     "the unquantized model (control run)"))
 # attribution rungs (eval.attribution=true): not selectable, evaluated beside the engine under test

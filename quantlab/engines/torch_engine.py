@@ -1,9 +1,12 @@
 """engine=torch: the exported checkpoint executed with deployment numerics.
 
 Reads only what ships (hf_quant_config.json + safetensors): an HF skeleton from config.json, every quantized
-Linear replaced by its QLAYERS class (per layer, so mixed-precision exports run too), FP8 KV cache applied where
-attention reads K/V (after RoPE, as the cache stores them). Missing scales, wrong dtypes or shapes are reported by
-tensor name. `load_exported` reads top down as the steps it takes.
+Linear replaced by its QLAYERS class (per layer, so mixed-precision exports run too), MoE experts by per-expert
+quantized layers (quantlab.engines.moe), buffers the checkpoint never holds rebuilt (RoPE, Gemma's embed_scale),
+FP8 KV cache applied where attention reads K/V (after RoPE, as the cache stores them) on top of the model's own
+attention and masks (sliding windows and soft-capping kept). Tensor names are mapped between memory and disk with
+transformers' conversion mapping. Missing scales, wrong dtypes or shapes are reported by tensor name.
+`load_exported` reads top down as the steps it takes.
 """
 from __future__ import annotations
 
@@ -21,15 +24,15 @@ from quantlab.engines.qlayers import QLAYERS, LayerContext, checked_scale, fp8_q
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
-ATTN_NAME = "quantlab_fp8_kv"
+ATTN_NAME = "quantlab_fp8_kv_{}"  # one registered name per base implementation (its mask builder differs)
 QUANTIZED_DTYPES = ("F8_E4M3", "I8", "U8")
 
 
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, fp8_qdq(key, module.quantlab_k_scale),
-                                  fp8_qdq(value, module.quantlab_v_scale), attention_mask, **kwargs)
+    """K (after RoPE) and V as the FP8 cache stores and returns them, then the model's own attention (its masks,
+    sliding windows, soft-capping and scaling untouched)."""
+    return module.quantlab_base_attention(module, query, fp8_qdq(key, module.quantlab_k_scale),
+                                          fp8_qdq(value, module.quantlab_v_scale), attention_mask, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -42,15 +45,33 @@ def check_formats(quant: QuantConfig, ckpt: Path) -> None:
 
 
 def skeleton(ckpt: Path, dtype: torch.dtype):
-    """The model built from config.json on the meta device (no memory), and its config."""
+    """The model built from config.json on the meta device (no memory), its config, and the map from in-memory
+    tensor names to the checkpoint's (quantlab.families.memory_to_disk)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantlab.families import memory_to_disk
+    from quantlab.models import attn_implementation
 
     config = AutoConfig.from_pretrained(ckpt)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the quantized layers ourselves
+    kwargs = {"dtype": dtype}
+    implementation = attn_implementation(config.to_dict())
+    if implementation:
+        kwargs["attn_implementation"] = implementation
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model, config
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return model, config, memory_to_disk(model)
+
+
+def plain_linear(t: CheckpointTensors, name: str, out_features: int, in_features: int, dtype, device) -> nn.Linear:
+    """An unquantized Linear read from the checkpoint (an expert projection the export left in high precision)."""
+    layer = nn.Linear(in_features, out_features, bias=f"{name}.bias" in t, device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(t.get(f"{name}.weight", shape=(out_features, in_features)))
+        if layer.bias is not None:
+            layer.bias.copy_(t.get(f"{name}.bias", shape=(out_features,)))
+    return layer.requires_grad_(False)
 
 
 def placement(model: nn.Module, device, dtype: torch.dtype, device_map: str | None):
@@ -78,52 +99,67 @@ def placement(model: nn.Module, device, dtype: torch.dtype, device_map: str | No
     return where, dmap
 
 
-def swap_quantized_linears(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, device, dtype, where) -> dict:
+def swap_quantized_linears(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, device, dtype, where,
+                           to_disk: dict[str, str]) -> dict:
     """Replace every Linear the export quantized by its QLAYERS class; returns module name -> quant_algo."""
     replaced = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        fmt = quant.format_of(name)
-        if fmt is None or f"{name}.weight_scale" not in t:
-            if t.dtype_of(f"{name}.weight") in QUANTIZED_DTYPES:
-                t.get(f"{name}.weight_scale")  # a quantized weight without its scale: report the missing tensor
+        disk = to_disk.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight")
+        fmt = quant.format_of(disk)
+        if fmt is None or f"{disk}.weight_scale" not in t:
+            if t.dtype_of(f"{disk}.weight") in QUANTIZED_DTYPES:
+                t.get(f"{disk}.weight_scale")  # a quantized weight without its scale: report the missing tensor
             continue
         target = where(name)
         ctx = LayerContext(target, device.type == "cuda" and device.has_fp8 and target.startswith("cuda"), dtype)
-        layer = QLAYERS[fmt.quant_algo].from_checkpoint(name, module.out_features, module.in_features,
+        layer = QLAYERS[fmt.quant_algo].from_checkpoint(disk, module.out_features, module.in_features,
                                                           module.bias is not None, t, fmt, ctx)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer.to(target))
         replaced[name] = fmt.quant_algo
-    if not replaced:
-        raise QuantlabError(f"checkpoint {t.ckpt} says {quant.quant_algo} but no layer has a weight_scale tensor",
-                            fix="re-export the checkpoint")
     return replaced
 
 
-def load_plain_weights(model: nn.Module, t: CheckpointTensors, config, dtype, where) -> None:
-    """Everything else (embeddings, norms, lm_head, unquantized layers) is plain high-precision weights."""
+def load_plain_weights(model: nn.Module, t: CheckpointTensors, config, dtype, where, to_disk: dict[str, str]) -> None:
+    """Everything else (embeddings, norms, routers, lm_head, unquantized layers) is plain high-precision weights,
+    read under its checkpoint name. Tied weights and non-persistent buffers are not demanded from the files."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    persistent = set(model.state_dict())
     state = {}
     for key, param in list(model.named_parameters()) + list(model.named_buffers()):
         if param.device.type != "meta":
             continue
-        if key in t:
-            state[key] = t.get(key, shape=tuple(param.shape)).to(
+        disk = to_disk.get(key, key)
+        if disk in t:
+            state[key] = t.get(disk, shape=tuple(param.shape)).to(
                 device=where(key), dtype=dtype if param.is_floating_point() else param.dtype)
-        elif not (key == "lm_head.weight" and config.tie_word_embeddings) and "rotary_emb" not in key:
-            raise QuantlabError(f"exported checkpoint {t.ckpt} is missing tensor {key}", fix="re-export the checkpoint")
+        elif key not in tied and key in persistent:
+            raise QuantlabError(f"exported checkpoint {t.ckpt} is missing tensor {disk}",
+                                fix="re-export the checkpoint")
     model.load_state_dict(state, strict=False, assign=True)  # replaces the meta tensors; quantized layers untouched
-    if config.tie_word_embeddings:
+    if tied:
         model.tie_weights()
 
 
-def rebuild_rope(model: nn.Module, where) -> None:
-    """RoPE buffers are computed at init, so the meta skeleton has none: build them for real."""
+def rebuild_buffers(model: nn.Module, where) -> None:
+    """Buffers computed at init and never saved (RoPE frequencies, Gemma's embed_scale) do not exist on the meta
+    skeleton: rebuild them as the model's own constructor does."""
     for name, mod in list(model.named_modules()):
+        if not any(b.device.type == "meta" for b in mod.buffers(recurse=False)):
+            continue
+        target = where(name)
         if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "config"):
+            try:
+                rebuilt = type(mod)(mod.config, device=target)
+            except TypeError:  # Gemma 3's dual RoPE takes the config only
+                rebuilt = type(mod)(mod.config).to(target)
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, type(mod)(mod.config, device=where(name)))
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, rebuilt)
+        elif hasattr(mod, "scalar_embed_scale"):  # Gemma's scaled embedding: sqrt(hidden_size)
+            mod.register_buffer("embed_scale", torch.tensor(float(mod.scalar_embed_scale), device=target),
+                                persistent=False)
 
 
 def check_materialized(model: nn.Module, ckpt: Path) -> None:
@@ -133,23 +169,58 @@ def check_materialized(model: nn.Module, ckpt: Path) -> None:
                             fix="re-export the checkpoint")
 
 
-def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, where) -> str | None:
-    """FP8 KV cache: K (after RoPE) and V quantized with the exported k_scale / v_scale where attention reads them."""
+def _base_attention(module: nn.Module, implementation: str):
+    """The attention function the model runs with: eager is each modeling file's own function."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation == "eager":
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise QuantlabError(f"{type(module).__name__} has no eager attention function to wrap with the "
+                                "FP8 KV cache",
+                                fix="this attention layout is not supported with kv_cache=fp8 yet")
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, where,
+                   to_memory: dict[str, str]) -> str | None:
+    """FP8 KV cache: K (after RoPE) and V quantized with the exported k_scale / v_scale where attention reads them.
+    The scales are named <attention>.k_proj.k_scale whatever the layout (Phi-3's fused qkv_proj, GPT-NeoX's
+    query_key_value), so they are resolved to the attention module, not to a linear."""
     if quant.kv_cache_quant_algo is None:
         return None
     if quant.kv_cache_quant_algo != "FP8":
         raise QuantlabError(f"engine=torch does not run kv_cache_quant_algo={quant.kv_cache_quant_algo}",
                             fix="export with kv_cache=fp8 or none")
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(ATTN_NAME, _fp8_kv_attention)
-    for name, module in model.named_modules():
-        if hasattr(module, "k_proj") and hasattr(module, "v_proj"):
-            ks = checked_scale(f"{name}.k_proj.k_scale", t, ()).float().to(where(name))
-            vs = checked_scale(f"{name}.v_proj.v_scale", t, ()).float().to(where(name))
-            module.quantlab_k_scale, module.quantlab_v_scale = ks, vs
-    model.set_attn_implementation(ATTN_NAME)
-    return "fp8 (k_scale / v_scale per layer, applied after RoPE)"
+    base = model.config._attn_implementation or "sdpa"
+    if base not in ("sdpa", "eager"):
+        raise QuantlabError(f"kv_cache=fp8 runs on sdpa or eager attention; this model uses {base}",
+                            fix="load the model with sdpa or eager attention")
+    name = ATTN_NAME.format(base)
+    AttentionInterface.register(name, _fp8_kv_attention)
+    AttentionMaskInterface.register(name, sdpa_mask if base == "sdpa" else eager_mask)  # keeps sliding windows
+    attentions = sorted(n.removesuffix(".k_proj.k_scale") for n in t.names() if n.endswith(".k_proj.k_scale"))
+    if not attentions:
+        raise QuantlabError(f"checkpoint {t.ckpt} says kv_cache_quant_algo=FP8 but holds no k_scale tensor",
+                            fix="re-export the checkpoint with kv_cache=fp8")
+    for disk in attentions:
+        memory = to_memory.get(disk, disk)
+        try:
+            module = model.get_submodule(memory)
+        except AttributeError:
+            raise QuantlabError(f"checkpoint {t.ckpt} has KV scales for {disk}, which this model does not have",
+                                fix="the checkpoint and its config.json do not match; re-export it") from None
+        module.quantlab_k_scale = checked_scale(f"{disk}.k_proj.k_scale", t, ()).float().to(where(memory))
+        module.quantlab_v_scale = checked_scale(f"{disk}.v_proj.v_scale", t, ()).float().to(where(memory))
+        module.quantlab_base_attention = _base_attention(module, base)
+    model.set_attn_implementation(name)
+    return f"fp8 (k_scale / v_scale on {len(attentions)} attention modules, applied after RoPE, over {base} attention)"
 
 
 def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None:
@@ -165,23 +236,31 @@ def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None
 
 def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None) -> tuple[nn.Module, dict]:
     """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer."""
+    from quantlab.engines.moe import swap_experts
+
     ckpt = Path(ckpt)
     quant = read_quant_config(ckpt, required=True)
     check_formats(quant, ckpt)
     tensors = CheckpointTensors(ckpt)
-    model, config = skeleton(ckpt, dtype)
+    model, config, to_disk = skeleton(ckpt, dtype)
+    to_memory = {d.rpartition(".")[0]: m.rpartition(".")[0] for m, d in to_disk.items()}
     where, dmap = placement(model, device, dtype, device_map)
-    replaced = swap_quantized_linears(model, tensors, quant, device, dtype, where)
-    load_plain_weights(model, tensors, config, dtype, where)
-    rebuild_rope(model, where)
+    replaced = swap_quantized_linears(model, tensors, quant, device, dtype, where, to_disk)
+    experts = swap_experts(model, tensors, quant, device, dtype, where, to_disk)
+    if not replaced and not experts:
+        raise QuantlabError(f"checkpoint {ckpt} says {quant.quant_algo} but no layer has a weight_scale tensor",
+                            fix="re-export the checkpoint")
+    load_plain_weights(model, tensors, config, dtype, where, to_disk)
+    rebuild_buffers(model, where)
     check_materialized(model, ckpt)
-    kv = apply_kv_cache(model, tensors, quant, where)
+    kv = apply_kv_cache(model, tensors, quant, where, to_memory)
     # q/k/v and gate/up read one activation: quantize it once, one GEMM each group (where the GEMMs are native)
     native = device.type == "cuda" and device.has_fp8
     shared = fuse_shared_inputs(model, dtype) if native else 0  # fuses FP8 siblings only
     placed = dispatch(model, dmap, device_map)
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
-    plan = {"quant_algo": quant.quant_algo, "kv_cache": kv, "quantized_layers": len(replaced), "kernels": kernels,
+    plan = {"quant_algo": quant.quant_algo, "kv_cache": kv, "quantized_layers": len(replaced),
+            "quantized_expert_projections": experts, "kernels": kernels,
             "formats": {a: sum(1 for v in replaced.values() if v == a) for a in sorted(set(replaced.values()))},
             "shared_input_groups": shared, "devices": placed or [device.torch],
             "group_size": quant.group_size, "dtype": str(dtype).removeprefix("torch.")}
@@ -214,6 +293,7 @@ def build(engine_cfg, inputs, limits: Limits) -> TorchEngine:
 
     art, _ = inputs.store.get_or_build("engine", key, write, {"model": inputs.ref.fingerprint,
                                                              "checkpoint": ckpt.fingerprint,
-                                                             "device": inputs.device.describe(), "versions": versions()})
+                                                             "device": inputs.device.describe(),
+                                                             "versions": versions()})
     log.info("engine: torch, %s, %s", plan["quant_algo"], "; ".join(plan["kernels"]))
     return TorchEngine(model, Limits(**art.info["limits"]), inputs.device, plan)

@@ -27,7 +27,8 @@ def check_available() -> None:
 
 def check_backend(cfg) -> None:
     if cfg.trtllm_backend not in BACKENDS:
-        raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown", fix=f"use one of {', '.join(BACKENDS)}")
+        raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown",
+                            fix=f"use one of {', '.join(BACKENDS)}")
 
 
 def llm_kwargs(cfg, checkpoint: Path, limits: Limits, kv_cache_quant_algo: str | None) -> dict:
@@ -81,7 +82,8 @@ def build(cfg, ctx, limits: Limits) -> TrtllmEngine:
     if cfg.trtllm_backend != "tensorrt":
         return TrtllmEngine(LLM(**kwargs), limits)
     key = ctx.store.key("engine", engine="trtllm", arch=ctx.device.arch, trtllm=tensorrt_llm.__version__,
-                        model=ctx.ref.fingerprint, checkpoint=ckpt.fingerprint, build={k: str(v) for k, v in kwargs.items()})
+                        model=ctx.ref.fingerprint, checkpoint=ckpt.fingerprint,
+                        build={k: str(v) for k, v in kwargs.items()})
     stored = ctx.store.load("engine", key)
     if stored is not None:
         log.info("engine: loading the stored TensorRT engine %s", stored.path)

@@ -89,7 +89,7 @@ def console_table(doc: dict) -> str:
             ci = m[name].get("ci95")
             rows.append((name, fmt(m[name]["value"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * wd for wd in widths))
     gate = doc["gate"]
     lines.append("")

@@ -90,7 +90,8 @@ def sqnr_bars(rows: list[dict]) -> str | None:
 
 def pareto(rows: list[dict]) -> str | None:
     """Quality (ppl ratio, lower is better) vs checkpoint size, Pareto front marked."""
-    pts = [(r["size_bytes"] / 2**20, r["ppl_ratio"], r["label"]) for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
+    pts = [(r["size_bytes"] / 2**20, r["ppl_ratio"], r["label"]) for r in rows
+           if r.get("size_bytes") and r.get("ppl_ratio")]
     if not pts:
         return None
     plt = _plt()
@@ -116,3 +117,40 @@ def pareto_front(points: list[tuple[float, float]]) -> set[int]:
         if not any((s2 <= s and q2 <= q) and (s2 < s or q2 < q) for j, (s2, q2) in enumerate(points) if j != i):
             front.add(i)
     return front
+
+
+def search_frontier(doc: dict) -> str | None:
+    """The search: the frontier's predicted loss against cost (line) and every evaluated configuration's ppl ratio
+    with its interval, pass or fail (points), the ppl threshold and the winner."""
+    rows = [r for r in doc["evaluations"] if "ppl_ratio" in r["metrics"]]
+    if not rows:
+        return None
+    plt = _plt()
+    cost = doc["cost"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for r in rows:
+        m = r["metrics"]["ppl_ratio"]
+        lo, hi = (m["ci"] or [m["value"], m["value"]])
+        color = "tab:green" if r["verdict"] == "PASS" else "tab:red"
+        x = r[cost]
+        ax.errorbar([x], [m["value"]], yerr=[[m["value"] - lo], [hi - m["value"]]], fmt="o", color=color, capsize=3,
+                    zorder=3)
+        ax.annotate(r["label"], (x, m["value"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    th = (doc["thresholds"].get("ppl_ratio") or {}).get("max")
+    if th:
+        ax.axhline(th, color="tab:gray", ls=":", label=f"ppl ratio threshold {th}")
+    front = doc["frontier"][:-1]
+    if front:
+        ax2 = ax.twinx()
+        ax2.plot([f[cost] for f in front], [f["predicted"] for f in front], color="tab:blue", alpha=0.5,
+                 label="frontier: predicted loss (AutoQuantize score)")
+        ax2.set_ylabel("predicted loss increase (score)", color="tab:blue")
+        ax2.legend(loc="upper center", fontsize=8)
+    if doc.get("winner"):
+        w = doc["winner"]
+        ax.axvline(w[cost], color="tab:green", ls="--", alpha=0.6, label=f"winner {w[cost]:.2f} bits")
+    ax.set_xlabel("bits per weight" + (" (stored, scales included)" if cost == "bits" else " (AutoQuantize count)"))
+    ax.set_ylabel("perplexity ratio (95% interval)")
+    ax.set_title("Search: evaluated configurations on the frontier")
+    ax.legend(loc="upper right", fontsize=8)
+    return _uri(fig)

@@ -55,7 +55,8 @@ def _row(run_dir: Path) -> dict:
     ref_bytes = sum(p.stat().st_size for p in ref_path.glob("*.safetensors")) if ref_path.is_dir() else None
     size = ckpt.get("safetensors_bytes")
     row = {"run_dir": str(run_dir.resolve()), "name": run_dir.name,
-           "precision": (cfg.get("precision") or {}).get("name", "?"), "kv_cache": cfg.get("kv_cache", {}).get("dtype", "?"),
+           "precision": (cfg.get("precision") or {}).get("name", "?"),
+           "kv_cache": cfg.get("kv_cache", {}).get("dtype", "?"),
            "engine": cfg.get("engine", {}).get("name", "?"), "size_bytes": size,
            "size_vs_reference": (size / ref_bytes) if size and ref_bytes else None,
            "wall_time_s": record.get("wall_time_s"), "exit_code": record.get("exit_code")}
@@ -67,7 +68,12 @@ def _row(run_dir: Path) -> dict:
                    verdict="PASS" if doc["gate"]["passed"] else "FAIL",
                    failed=[c["name"] for c in doc["gate"]["checks"] if not c["passed"]])
     else:
-        row.update(verdict="ERROR" if record.get("exit_code") else "NOT EVALUATED", failed=[])
+        audit = record.get("audit") or {}
+        if audit.get("passed") is False:
+            row.update(verdict="AUDIT FAIL", failed=[f"audit.{f['check']}" for f in audit.get("findings", [])
+                                                     if f.get("severity") == "error"])
+        else:
+            row.update(verdict="ERROR" if record.get("exit_code") else "NOT EVALUATED", failed=[])
     return row
 
 

@@ -64,6 +64,9 @@ EVAL = Role("eval", "test", sampled=False)
 
 @dataclass
 class TokenSet:
+    """Token windows of one role: tokens [n_windows, seq_len] int64, the artifact's fingerprint and its build
+    info (source, windows, characters read)."""
+
     role: str  # calib | eval
     fingerprint: str
     tokens: object  # torch.LongTensor [n_windows, seq_len]
@@ -71,10 +74,12 @@ class TokenSet:
 
     @property
     def num_windows(self) -> int:
+        """Windows in the set."""
         return int(self.tokens.shape[0])
 
     @property
     def seq_len(self) -> int:
+        """Tokens per window."""
         return int(self.tokens.shape[1])
 
 
@@ -185,8 +190,9 @@ def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
         raise QuantlabError(f"{knob}.path {path} is neither JSON Lines nor a JSON array of records",
                             fix=f"write one JSON object per line, or set {knob}.format=text if it is plain text")
     if path.stat().st_size > MAX_JSON_ARRAY:
-        raise QuantlabError(f"{knob}.path {path} is a JSON array of {path.stat().st_size >> 20} MiB, which would be read "
-                            "whole", fix="convert it to JSON Lines (one object per line), which is read as a stream")
+        raise QuantlabError(f"{knob}.path {path} is a JSON array of {path.stat().st_size >> 20} MiB, which would be "
+                            "read whole",
+                            fix="convert it to JSON Lines (one object per line), which is read as a stream")
     try:
         records = json.loads("".join(_utf8_chunks(path, knob)))
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -216,7 +222,8 @@ def _parquet_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError:
         raise QuantlabError(f"{knob}.path {path.name} is Parquet, which needs pyarrow",
-                            fix="pip install pyarrow (it comes with `datasets`), or convert the file to JSON Lines") from None
+                            fix="pip install pyarrow (it comes with `datasets`), "
+                                "or convert the file to JSON Lines") from None
     try:
         handle = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a damaged file
@@ -244,7 +251,8 @@ def _dataset_docs(cfg: DataConfig, role: Role, knob: str) -> tuple[Iterator[str]
         raise QuantlabError(
             f"dataset {cfg.dataset}/{cfg.dataset_config or ''} split {split} is not available here "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
-            fix=f"download it once where the hub is reachable, or use a local file: {knob}.path=/path/to/file") from None
+            fix=f"download it once where the hub is reachable, or use a local file: "
+                f"{knob}.path=/path/to/file") from None
     if cfg.text_field not in ds.column_names:
         raise QuantlabError(f"dataset {cfg.dataset} has no column {cfg.text_field!r} (columns: {ds.column_names})",
                             fix=f"set {knob}.text_field")
@@ -327,6 +335,10 @@ class DataKey:
 
 
 def key(cfg: DataConfig, role: Role, model_fp: str, store: ArtifactStore) -> DataKey:
+    """The token set's identity without tokenizing: the source's (a plain text's hash; a record file's hash,
+    format and field; a dataset's name, config and split), the role, the recipe and the model fingerprint. The
+    source is checked first: a missing, empty, binary or unknown-format file or an unavailable dataset is
+    exit 2."""
     src = source(cfg, role)
     recipe = _recipe(cfg, role)
     identity = src.identity.get("text") or src.identity
@@ -381,7 +393,8 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, voc
     leading = [] if prefix is not None else tokenizer("", add_special_tokens=True)["input_ids"]
     ids, n_full, chars, ended = tokenize_windows(ident.source, tokenizer, width, role.needed(cfg), leading)
     if chars == 0:
-        raise QuantlabError(f"the {knob} text from {ident.description} is empty", fix=f"give {knob} data with text in it")
+        raise QuantlabError(f"the {knob} text from {ident.description} is empty",
+                            fix=f"give {knob} data with text in it")
     count = role.count(cfg)
     if role.sampled:
         if n_full < count:
@@ -411,6 +424,7 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, voc
 
 
 def load(art, role: Role) -> TokenSet:
+    """The TokenSet stored in a data artifact (tokens.safetensors and its build info)."""
     from safetensors.torch import load_file
 
     tokens = load_file(str(art.path / "tokens.safetensors"))["tokens"]
@@ -419,7 +433,8 @@ def load(art, role: Role) -> TokenSet:
     return TokenSet(role.name, art.fingerprint, tokens, info)
 
 
-def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore, vocab: int | None = None) -> TokenSet:
+def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore,
+        vocab: int | None = None) -> TokenSet:
     """key, build (once) and load in one call: for callers outside the run graph (bench, tests)."""
     ident = key(cfg, role, model_fp, store)
     art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out, vocab),

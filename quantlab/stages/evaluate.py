@@ -107,7 +107,7 @@ def reference_arrays(engine, tokens, cfg: EvalConfig, prompts=None) -> dict:
     """hidden [n, T, H], nll and argmax [n, T-1] of the reference engine on windows (gen: greedy continuations)."""
     import torch
 
-    hidden, nll, argmax = [], [], []
+    hidden, nll, argmax, router = [], [], [], []
     for lo in range(0, tokens.shape[0], cfg.batch_size):
         batch = tokens[lo: lo + cfg.batch_size]
         if lo == 0 and hasattr(engine, "verify_head"):
@@ -116,17 +116,24 @@ def reference_arrays(engine, tokens, cfg: EvalConfig, prompts=None) -> dict:
         targets = batch[:, 1:].to(res.hidden.device)
         t = targets.shape[1]
         step = _chunk(batch.shape[0], engine.head.vocab)
-        parts = [metrics.nll_and_argmax(res.logits(p, min(p + step, t)), targets[:, p: p + step]) for p in range(0, t, step)]
+        parts = [metrics.nll_and_argmax(res.logits(p, min(p + step, t)), targets[:, p: p + step])
+                 for p in range(0, t, step)]
         nll.append(torch.cat([a for a, _ in parts], 1).cpu())
         argmax.append(torch.cat([b for _, b in parts], 1).cpu())
         hidden.append(res.hidden.detach().cpu())
+        if res.router is not None:
+            router.append(res.router.cpu())
     arrays = {"hidden": torch.cat(hidden), "nll": torch.cat(nll), "argmax": torch.cat(argmax)}
+    if router:
+        arrays["router"] = torch.cat(router)
     if prompts is not None:
         arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
     return arrays
 
 
 def write_head(out: Path, engine) -> dict:
+    """Save the reference engine's output head (weight, bias if any) as HEAD_FILE in out; the info holds its
+    post-processing."""
     from safetensors.torch import save_file
 
     weight, bias = engine.head_weights()
@@ -151,25 +158,31 @@ class ReferenceOutputs:
 
     @property
     def store(self) -> ArtifactStore:
+        """The run's artifact store."""
         return self.ctx.store
 
     @property
     def fingerprint(self) -> str:
+        """The base key, which identifies the reference's outputs (blocks add their index)."""
         return self.base_key
 
     def engine(self):
+        """The reference engine, built on first use."""
         if self._engine is None:
             self._engine = self._make_engine()
         return self._engine
 
     def span(self, b: int) -> tuple[int, int]:
+        """Window range [lo, hi) of block b."""
         lo = b * self.block_windows
         return lo, min(lo + self.block_windows, self.evalset.num_windows)
 
     def block_key(self, b: int) -> str:
+        """The store key of block b."""
         return self.store.key("reference", base=self.base_key, block=b)
 
     def block(self, b: int) -> dict:
+        """Block b's arrays (hidden, nll, argmax; router and gen where present), loaded or computed once."""
         from safetensors.torch import load_file
 
         lo, hi = self.span(b)
@@ -207,6 +220,7 @@ class ReferenceOutputs:
         return self._head
 
     def close(self) -> None:
+        """Release the reference engine if one was built."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -220,9 +234,13 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
     if hasattr(engine, "verify_head"):
         engine.verify_head(tokens[:1, : min(tokens.shape[1], 64)])
     fields: dict[str, list] = {k: [] for k in POSITION_FIELDS}
+    router: list = []
     for blo in range(0, tokens.shape[0], cfg.batch_size):
         batch = tokens[blo: blo + cfg.batch_size]
         out = _oom_guard(lambda batch=batch: engine.forward(batch), cfg.batch_size)
+        if out.router is not None and "router" in ref_block:
+            ref_ids = ref_block["router"][blo: blo + batch.shape[0]]
+            router.append(metrics.router_agreement(ref_ids, out.router)[:, :-1].cpu())
         device = head.device
         targets = batch[:, 1:].to(device)
         ref_hidden = ref_block["hidden"][blo: blo + batch.shape[0]].to(device)
@@ -238,6 +256,8 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
             fields[k].append(torch.cat(rows[k], 1))
         del out
     arrays = {k: torch.cat(v).to(getattr(torch, POSITION_FIELDS[k])) for k, v in fields.items()}
+    if router:
+        arrays["router_agree"] = torch.cat(router).float()
     if prompts is not None and "gen" in ref_block:
         arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
         arrays["gen_ref"] = ref_block["gen"]  # so a cached candidate needs nothing of the reference
@@ -248,7 +268,7 @@ def compare_engines(reference, candidate, tokens, cfg: EvalConfig) -> Windows:
     """Two engines in memory on the same windows, no store: the per-position comparison every run makes (for
     tests, benchmarks and notebooks). The reference's head is its own output head."""
     arrays = compare_block(candidate, tokens, reference_arrays(reference, tokens, cfg), reference.head, cfg)
-    return Windows({k: v.numpy() for k, v in arrays.items() if k in POSITION_FIELDS},
+    return Windows({k: v.numpy() for k, v in arrays.items() if k in POSITION_FIELDS or k == "router_agree"},
                    tokens[:, 1:].numpy().astype(np.int32))
 
 
@@ -266,11 +286,16 @@ class CandidateBlocks:
     built: int = 0
 
     def key(self, b: int) -> str:
-        return self.ref.store.key("evaluate", engine=self.spec.name, candidate=self.identity, reference=self.ref.base_key,
-                                  block=b, limits=self.ref.ctx.memo["limits"].describe(), device=self.ref.ctx.device.arch,
-                                  dtype=str(self.ref.ctx.dtype), metrics=metrics.FORMULA_VERSION, versions=versions())
+        """The store key of block b: candidate identity, reference, block, engine limits, device arch, dtype,
+        metric formulas and versions."""
+        return self.ref.store.key("evaluate", engine=self.spec.name, candidate=self.identity,
+                                  reference=self.ref.base_key, block=b, limits=self.ref.ctx.memo["limits"].describe(),
+                                  device=self.ref.ctx.device.arch, dtype=str(self.ref.ctx.dtype),
+                                  metrics=metrics.FORMULA_VERSION, versions=versions())
 
     def block(self, b: int) -> dict:
+        """Block b's per-position arrays (and generations for block 0), loaded or computed once; the engine is
+        built at the first block to compute."""
         from safetensors.torch import load_file, save_file
 
         lo, hi = self.ref.span(b)
@@ -303,12 +328,14 @@ class CandidateBlocks:
     def windows(self, n: int) -> tuple[Windows, tuple | None]:
         """Per-position arrays of the first n windows, and block 0's generations (reference, candidate)."""
         blocks = [self.block(b) for b in range(math.ceil(n / self.ref.block_windows))]
-        arrays = {k: np.concatenate([blk[k].numpy() for blk in blocks])[:n] for k in POSITION_FIELDS}
+        keys = list(POSITION_FIELDS) + (["router_agree"] if "router_agree" in blocks[0] else [])
+        arrays = {k: np.concatenate([blk[k].numpy() for blk in blocks])[:n] for k in keys}
         targets = self.ref.evalset.tokens[:n, 1:].numpy().astype(np.int32)
         gen = (blocks[0]["gen_ref"], blocks[0]["gen"]) if "gen" in blocks[0] else None
         return Windows(arrays, targets), gen
 
     def close(self) -> None:
+        """Release the candidate engine if one was built."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -397,6 +424,8 @@ def attribution(results: dict, engine: str) -> dict:
 
 # ------------------------------------------------------------------------------------------- the steps
 def limits(r):
+    """The run's engine limits (engine.max_*, defaulting to the model's max positions), computed once; exit 2
+    when they exceed the model's max positions or max_input_len > max_seq_len."""
     ctx = r.ctx
     if "limits" not in ctx.memo:
         ctx.memo["limits"] = limits_for(ctx.cfg, r.value("prepare").max_positions)

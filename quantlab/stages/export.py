@@ -20,8 +20,10 @@ log = logging.getLogger("quantlab")
 
 
 def info_of(quant: QuantConfig, ckpt: Path) -> dict:
+    """The export's info: quant_algo, kv_cache_quant_algo, group_size and the bytes of its safetensors files."""
     return {"quant_algo": quant.quant_algo, "kv_cache_quant_algo": quant.kv_cache_quant_algo,
-            "group_size": quant.group_size, "safetensors_bytes": sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))}
+            "group_size": quant.group_size,
+            "safetensors_bytes": sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))}
 
 
 def write(model, ref_path: Path, out: Path, expect_algo: str, expect_kv: str | None) -> dict:
@@ -29,10 +31,13 @@ def write(model, ref_path: Path, out: Path, expect_algo: str, expect_kv: str | N
     import torch
     from modelopt.torch.export import export_hf_checkpoint
 
+    from quantlab import modelopt_compat
+
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]
+    adjusted = modelopt_compat.prepare_fused_experts(model) if modelopt_compat.has_fused_experts(model) else []
     log.info("export: writing the unified HF checkpoint")
-    with torch.no_grad():
+    with torch.no_grad(), modelopt_compat.fused_experts_resmooth():
         export_hf_checkpoint(model, export_dir=str(out))
     for name in TOKENIZER_FILES:
         if (ref_path / name).is_file():
@@ -41,7 +46,7 @@ def write(model, ref_path: Path, out: Path, expect_algo: str, expect_kv: str | N
     if quant.quant_algo != expect_algo or quant.kv_cache_quant_algo != expect_kv:
         raise RuntimeError(f"ModelOpt exported quant_algo={quant.quant_algo} kv={quant.kv_cache_quant_algo}, "
                            f"expected {expect_algo} / {expect_kv}")
-    return info_of(quant, out)
+    return {**info_of(quant, out), "experts_without_calibration_tokens": adjusted}
 
 
 def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
@@ -62,6 +67,8 @@ def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
 
 # ------------------------------------------------------------------------------------------ the steps
 def step(ctx: RunContext) -> Step:
+    """Export of the calibrated model, keyed by the quantize step's key and the library versions (a cached
+    export needs no calibrated state). Its value is the checkpoint Artifact."""
     def build(out: Path, r) -> dict:
         return write(r.value("quantize").take(), r.value("prepare").path, out, ctx.precision.quant_algo, ctx.kv_algo)
 
@@ -102,13 +109,17 @@ def check_pairing(ckpt: Path, ref) -> None:
         return
     a, b = tensor_index(ckpt)[name].get_tensor(name), tensor_index(ref.path)[name].get_tensor(name)
     if a.shape != b.shape or not torch.equal(a, b.to(a.dtype)):
-        diff = "shape differs" if a.shape != b.shape else f"max difference {float((a.float() - b.float()).abs().max()):.3g}"
+        diff = ("shape differs" if a.shape != b.shape
+                else f"max difference {float((a.float() - b.float()).abs().max()):.3g}")
         raise QuantlabError(f"engine.checkpoint {ckpt} was exported from another model: {name} differs from the "
                             f"reference's ({diff})",
                             fix="point model.path at the unquantized model the checkpoint was made from")
 
 
 def external_step(ctx: RunContext) -> Step:
+    """engine.checkpoint=...: the checkpoint made elsewhere as a source in the export's place. Loading it checks
+    it against the requested recipe and the reference model: not a directory, no hf_quant_config.json, another
+    quant_algo / kv_cache or another model is exit 2."""
     path = ctx.external_checkpoint
 
     def load(art, r, built) -> Artifact:

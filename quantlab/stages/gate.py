@@ -143,7 +143,8 @@ def check_gate(cfg: GateConfig, precision: str, eval_cfg=None) -> None:
             raise QuantlabError(f"{knob}={value} must be strictly between 0 and 1",
                                 fix=f"set {knob} to a probability such as 0.05")
     if st.spending not in stats.SPENDING:
-        raise QuantlabError(f"gate.statistical.spending={st.spending!r} is unknown{did_you_mean(st.spending, stats.SPENDING)}",
+        raise QuantlabError(f"gate.statistical.spending={st.spending!r} is unknown"
+                            f"{did_you_mean(st.spending, stats.SPENDING)}",
                             fix=f"use one of {', '.join(stats.SPENDING)}")
     if st.look_windows < 2:
         raise QuantlabError(f"gate.statistical.look_windows={st.look_windows}: a look needs 2 windows or more to "
@@ -201,7 +202,10 @@ def _test(name: str, bound: float, w: Windows, gen: dict | None) -> _Test:
             return _Test((fd >= gen["new_tokens"]).astype(np.float64), bound, hib, binary=True, mde_unit="share")
         return _Test(fd, bound, hib, mde_unit="tokens")
     key = {"top1_agreement": "agree", "kl_mean": "kl", "dnll_mean": "dnll", "dp_true_mean": "dp_true",
-           "flip_rate": "flip_rate", "net_flip_rate": "net_flip"}[name]
+           "flip_rate": "flip_rate", "net_flip_rate": "net_flip", "router_topk_agreement": "router_agree"}[name]
+    if key not in ("agree", "kl", "dnll", "dp_true", "flip_rate", "net_flip") and key not in w.a:
+        raise QuantlabError(f"the gate needs {name}, which this model does not have (a dense model has no router)",
+                            fix=f"drop the {name} threshold for dense models")
     return _Test(w.per_window(key), bound, hib, mde_unit=spec.unit or "")
 
 
@@ -256,6 +260,7 @@ def evaluate_checks(thresholds: dict[str, Threshold], w: Windows, gen: dict | No
 
 
 def settled(checks: list[Check]) -> bool:
+    """True when no check is undecided (evaluation can stop taking looks)."""
     return all(c.verdict != "undecided" for c in checks)
 
 
@@ -287,9 +292,12 @@ def power_warnings(checks: list[Check], thresholds: dict[str, Threshold]) -> lis
 
 # ---------------------------------------------------------------------------------------------- baseline
 def load_baseline(path: str, provenance: dict) -> dict:
+    """Read gate.baseline (an earlier run's metrics.json) for the regression checks. Exit 2 when it is missing,
+    not JSON, of another schema, measured on another model or eval data, or without per-window values."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise QuantlabError(f"gate.baseline {p} does not exist", fix="point gate.baseline at an earlier run's metrics.json")
+        raise QuantlabError(f"gate.baseline {p} does not exist",
+                            fix="point gate.baseline at an earlier run's metrics.json")
     try:
         base = json.loads(p.read_text())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

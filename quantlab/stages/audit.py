@@ -1,0 +1,58 @@
+"""audit: the silent-failure audit of the checkpoint that would ship (quantlab.audit), run on every export, ours or
+one made elsewhere (engine.checkpoint=), before any evaluation.
+
+A step of the export stage (stop_after=export includes it), stored under audit/ and keyed by the checkpoint's and
+the model's fingerprints, the canary's settings and the library versions: an unchanged checkpoint is audited once.
+Its value is the AuditReport; a report with error findings is what the pipeline stops on (exit 1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from quantlab import costs
+from quantlab.artifacts import write_json_atomic
+from quantlab.env import versions
+from quantlab.step import RunContext, Step
+
+log = logging.getLogger("quantlab")
+
+REPORT = "audit.json"
+CANARY = {"canary": True, "windows": 2, "tokens": 128}  # the logits canary's settings (part of the key)
+
+
+def step(ctx: RunContext) -> Step:
+    """The audit of r.value("export") against the unquantized model r.value("prepare")."""
+    from quantlab.audit import AUDIT_SCHEMA
+
+    def key(r) -> str:
+        return ctx.store.key("audit", export=r.fingerprint("export"), model=r.fingerprint("prepare"), canary=CANARY,
+                             device=ctx.device.arch, dtype=str(ctx.dtype), schema=AUDIT_SCHEMA, versions=versions())
+
+    def build(out: Path, r) -> dict:
+        from quantlab.audit import audit
+
+        report = audit(r.value("export").path, r.value("prepare"), canary=CANARY["canary"],
+                       canary_windows=CANARY["windows"], canary_tokens=CANARY["tokens"], device=ctx.device,
+                       dtype=ctx.dtype)
+        write_json_atomic(out / REPORT, report.to_dict())
+        counts = report.summary()
+        log.info("audit: %s (%d error(s), %d warning(s)) in %.1f s", "PASS" if report.passed else "FAIL",
+                 counts["error"], counts["warning"], report.timings.get("total", 0.0))
+        for finding in report.errors:
+            log.error("audit: [%s] %s", finding.check, finding.message)
+        return {"passed": report.passed, "summary": counts}
+
+    def load(art, r, built):
+        from quantlab.audit import AuditReport
+
+        return AuditReport.from_dict(json.loads((art.path / REPORT).read_text(encoding="utf-8")))
+
+    def work(r) -> dict:
+        return costs.work(costs.device_label(ctx.device), "audit", r.value("prepare").num_params)
+
+    return Step("audit", "export", key, load, build, needs=("export", "prepare"), work=work,
+                manifest=lambda r: {"model": r.fingerprint("prepare"), "export": r.fingerprint("export"),
+                                    "versions": versions()},
+                store_stage="audit", describe="checkpoint audit")

@@ -1,0 +1,665 @@
+"""quantlab.audit on real ModelOpt exports of the tiny Llama: healthy exports of every precision, with and without
+FP8 KV, give no error finding; every fault class of FAULTS, made by damaging a copy of a healthy export the way the
+real bug did, is found by the right check, naming the module it damaged; the CLI's exit codes; the audit step.
+
+FAULTS is also what bench/audit_bench.py runs on the default model (its detection table).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from conftest import FAST, REPO, run_api
+
+HEALTHY = [(p, kv) for p in ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4") for kv in ("none", "fp8")]
+SCALE_NAMES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+
+
+# ------------------------------------------------------------------------------------------ damaging exports
+class Export:
+    """A copy of an exported checkpoint opened for damage: its tensors (all shards in one dict), its JSON files,
+    and the reference's tensors to damage it with. save() writes one model.safetensors in place of the shards."""
+
+    def __init__(self, path: Path, reference: Path):
+        from safetensors.torch import load_file
+
+        self.path, self.reference = path, reference
+        self.tensors: dict = {}
+        for f in sorted(path.glob("*.safetensors")):
+            self.tensors.update(load_file(str(f)))
+
+    def ref(self, name: str):
+        from safetensors import safe_open
+
+        for f in sorted(self.reference.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                if name in h.keys():
+                    return h.get_tensor(name)
+        raise KeyError(name)
+
+    def ref_names(self) -> set[str]:
+        from safetensors import safe_open
+
+        names = set()
+        for f in sorted(self.reference.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                names.update(h.keys())
+        return names
+
+    def modules(self) -> list[str]:
+        """The quantized modules (those with a weight_scale), in layer order."""
+        from quantlab.audit import _natural
+
+        return sorted((n[: -len(".weight_scale")] for n in self.tensors if n.endswith(".weight_scale")), key=_natural)
+
+    def pick(self, what: str) -> str:
+        """The last layer's module whose name ends with `what` (mlp.down_proj, self_attn.o_proj, ...)."""
+        return [m for m in self.modules() if m.endswith(what)][-1]
+
+    def json(self, name: str) -> dict:
+        return json.loads((self.path / name).read_text())
+
+    def put_json(self, name: str, doc: dict) -> None:
+        (self.path / name).write_text(json.dumps(doc, indent=2))
+
+    def save(self) -> None:
+        from safetensors.torch import save_file
+
+        for f in self.path.glob("*.safetensors"):
+            f.unlink()
+        (self.path / "model.safetensors.index.json").unlink(missing_ok=True)
+        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(self.path / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _fp8(x):
+    import torch
+
+    return x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def unquantized_layer(e: Export) -> list[str]:
+    m = e.pick("mlp.down_proj")
+    e.tensors[f"{m}.weight"] = e.ref(f"{m}.weight")
+    for s in SCALE_NAMES:
+        e.tensors.pop(f"{m}.{s}", None)
+    return [m]
+
+
+def unquantized_copy(e: Export) -> list[str]:
+    import torch
+
+    modules = e.modules()
+    for m in modules:
+        e.tensors[f"{m}.weight"] = e.ref(f"{m}.weight")
+        for s in SCALE_NAMES:
+            e.tensors.pop(f"{m}.{s}", None)
+        e.tensors[f"{m}.weight_scale"] = torch.tensor(1.0)
+        e.tensors[f"{m}.input_scale"] = torch.tensor(1.0)
+    return modules
+
+
+def excluded_but_quantized(e: Export) -> list[str]:
+    """The output head (or, in a tied model, a layer exclude_modules lists) quantized though excluded."""
+    if "lm_head.weight" in e.tensors:
+        source = e.modules()[0]
+        w = e.tensors["lm_head.weight"].float()
+        scale = w.abs().max() / 448
+        e.tensors["lm_head.weight"] = _fp8(w / scale)
+        e.tensors["lm_head.weight_scale"] = scale.reshape(())
+        e.tensors["lm_head.input_scale"] = e.tensors[f"{source}.input_scale"].clone()
+        return ["lm_head"]
+    m = e.pick("mlp.down_proj")
+    hf = e.json("hf_quant_config.json")
+    hf["quantization"]["exclude_modules"].append(m)
+    cfg = e.json("config.json")
+    cfg["quantization_config"]["ignore"].append(m)
+    e.put_json("hf_quant_config.json", hf)
+    e.put_json("config.json", cfg)
+    return [m]
+
+
+def scale_zero(e: Export) -> list[str]:
+    m = e.pick("self_attn.o_proj")
+    e.tensors[f"{m}.weight_scale"] = e.tensors[f"{m}.weight_scale"] * 0
+    return [m]
+
+
+def scale_negative(e: Export) -> list[str]:
+    m = e.pick("self_attn.q_proj")
+    e.tensors[f"{m}.weight_scale"] = -e.tensors[f"{m}.weight_scale"]
+    return [m]
+
+
+def scale_nan(e: Export) -> list[str]:
+    m = e.pick("mlp.up_proj")
+    e.tensors[f"{m}.input_scale"] = e.tensors[f"{m}.input_scale"] * float("nan")
+    return [m]
+
+
+def fp8_block_scale_underflow(e: Export) -> list[str]:
+    """NVFP4 per-block FP8 scales of the smallest quarter of the blocks rounded to 0 (no clamp before the cast)."""
+    import torch
+
+    m = e.pick("mlp.down_proj")
+    s = e.tensors[f"{m}.weight_scale"].float()
+    s[s <= torch.quantile(s, 0.25)] = 0
+    e.tensors[f"{m}.weight_scale"] = s.to(torch.float8_e4m3fn)
+    return [m]
+
+
+def scale_subnormal(e: Export) -> list[str]:
+    """A per-tensor scale that underflowed to a float32 denormal (amax divided twice)."""
+    import torch
+
+    m = e.pick("self_attn.k_proj")
+    e.tensors[f"{m}.weight_scale"] = torch.tensor(1e-40, dtype=torch.float32)
+    return [m]
+
+
+def group_size_mismatch(e: Export) -> list[str]:
+    hf = e.json("hf_quant_config.json")
+    hf["quantization"]["group_size"] //= 2
+    e.put_json("hf_quant_config.json", hf)
+    return e.modules()
+
+
+def kv_scales_one(e: Export) -> list[str]:
+    import torch
+
+    names = [n for n in e.tensors if n.endswith((".k_scale", ".v_scale"))]
+    for n in names:
+        e.tensors[n] = torch.tensor(1.0)
+    return [n.rpartition(".")[0] for n in names]
+
+
+def halved_scales(e: Export) -> list[str]:
+    """Every NVFP4 block scale halved, codes unchanged (the low-memory export with half-sized weight scales)."""
+    import torch
+
+    for m in e.modules():
+        e.tensors[f"{m}.weight_scale"] = (e.tensors[f"{m}.weight_scale"].float() / 2).to(torch.float8_e4m3fn)
+    return e.modules()
+
+
+def scrambled_block_scales(e: Export) -> list[str]:
+    """NVFP4 block scales written in another block order than their codes (a strided copy gone wrong)."""
+    import torch
+
+    m = e.pick("mlp.gate_proj")
+    s = e.tensors[f"{m}.weight_scale"]
+    perm = torch.randperm(s.shape[1], generator=torch.Generator().manual_seed(0))
+    e.tensors[f"{m}.weight_scale"] = s.view(torch.uint8)[:, perm].contiguous().view(torch.float8_e4m3fn)
+    return [m]
+
+
+def dedupe_dropped(e: Export) -> list[str]:
+    """A tied-weight dedupe drops a weight it took for a copy: the untied output head (or, in a tied model, a norm
+    equal in value to another)."""
+    if "lm_head.weight" in e.ref_names():
+        del e.tensors["lm_head.weight"]
+        return ["lm_head"]
+    norm = sorted(n for n in e.tensors if n.endswith("post_attention_layernorm.weight"))[-1]
+    del e.tensors[norm]
+    return [norm.rpartition(".")[0]]
+
+
+def config_changed(e: Export) -> list[str]:
+    cfg = e.json("config.json")
+    cfg["max_position_embeddings"] *= 8
+    e.put_json("config.json", cfg)
+    return []
+
+
+def tokenizer_changed(e: Export) -> list[str]:
+    tok = e.json("tokenizer.json")
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    e.put_json("tokenizer.json", tok)
+    return []
+
+
+def chat_template_changed(e: Export) -> list[str]:
+    cfg = e.json("tokenizer_config.json")
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    e.put_json("tokenizer_config.json", cfg)
+    (e.path / "chat_template.jinja").unlink(missing_ok=True)
+    return []
+
+
+def generation_config_changed(e: Export) -> list[str]:
+    gen = e.json("generation_config.json")
+    gen["eos_token_id"] = 3 if gen.get("eos_token_id") != 3 else 4
+    e.put_json("generation_config.json", gen)
+    return []
+
+
+def algo_mismatch(e: Export) -> list[str]:
+    """hf_quant_config.json (and config.json) say FP8; the tensors are INT8 SmoothQuant."""
+    for name in ("hf_quant_config.json", "config.json"):
+        doc = e.json(name)
+        (doc["quantization"] if name == "hf_quant_config.json" else doc["quantization_config"])["quant_algo"] = "FP8"
+        e.put_json(name, doc)
+    return e.modules()
+
+
+def input_scale_missing(e: Export) -> list[str]:
+    """The last MLP's input quantizers were never calibrated (the MoE expert that got no tokens): no input_scale."""
+    mods = [e.pick(p) for p in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    for m in mods:
+        del e.tensors[f"{m}.input_scale"]
+    return mods
+
+
+def activation_saturation(e: Export) -> list[str]:
+    """Every activation scale 1/64 of its calibrated value (input quantizers calibrated on a handful of tokens):
+    every tensor is positive and finite, the activations saturate."""
+    for m in e.modules():
+        e.tensors[f"{m}.input_scale"] = e.tensors[f"{m}.input_scale"] / 64
+    return []
+
+
+def swapped_layers(e: Export) -> list[str]:
+    """Decoder layers 0 and 1 written under each other's names (an index mix-up in a sharded writer)."""
+    a, b = "model.layers.0.", "model.layers.1."
+    renamed = {}
+    for name, t in e.tensors.items():
+        renamed[b + name[len(a):] if name.startswith(a) else a + name[len(b):] if name.startswith(b) else name] = t
+    e.tensors = renamed
+    return [m for m in e.modules() if m.startswith((a, b))]
+
+
+def _int4_rtn(w, group: int):
+    """Round-to-nearest int4 of a [out, in] weight in groups of `group` inputs, packed as ModelOpt packs W4A16_AWQ:
+    two codes per byte along the output dimension (row 2j low nibble). -> (packed uint8 [out/2, in], scales)."""
+    import torch
+
+    w = w.float()
+    scale = w.reshape(w.shape[0], -1, group).abs().amax(-1).clamp_min(1e-8) / 7
+    q = (w / scale.repeat_interleave(group, dim=1)).round().clamp(-8, 7).to(torch.int16)
+    return ((q[0::2] & 0xF) | ((q[1::2] & 0xF) << 4)).to(torch.uint8), scale
+
+
+def fused_group_mixed_formats(e: Export) -> list[str]:
+    """A mixed-precision export whose last q/k/v group is split: q_proj FP8, k_proj and v_proj W4A16_AWQ (export
+    checks equal formats only when the group's first member is not FP8, so it wrote this without a word)."""
+    q = e.pick("self_attn.q_proj")
+    parent = q.rpartition(".")[0]
+    layers = {m: {"quant_algo": "FP8"} for m in e.modules()}
+    for m in (f"{parent}.k_proj", f"{parent}.v_proj"):
+        e.tensors[f"{m}.weight"], e.tensors[f"{m}.weight_scale"] = _int4_rtn(e.ref(f"{m}.weight"), 32)
+        del e.tensors[f"{m}.input_scale"]
+        layers[m] = {"quant_algo": "W4A16_AWQ", "group_size": 32, "has_zero_point": False, "pre_quant_scale": True}
+    hf = e.json("hf_quant_config.json")
+    hf["quantization"] = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": layers}
+    cfg = e.json("config.json")
+    cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers=layers, ignore=[])
+    e.put_json("hf_quant_config.json", hf)
+    e.put_json("config.json", cfg)
+    return [q, f"{parent}.k_proj", f"{parent}.v_proj"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault class: the real failure it reproduces, the healthy export it damages (precision, kv cache), how,
+    and the check that must report it as an error."""
+
+    name: str
+    bug: str
+    base: tuple[str, str]
+    corrupt: Callable[[Export], list[str]]
+    check: str
+    canary: bool = False  # only the logits canary can see it
+
+
+FAULTS = [
+    Fault("unquantized_layer", "a layer left unquantized though the config says quantized", ("fp8", "none"),
+          unquantized_layer, "coverage"),
+    Fault("unquantized_copy", "output identical to the input: weights copied unquantized, scales of 1",
+          ("fp8", "none"), unquantized_copy, "coverage"),
+    Fault("excluded_but_quantized", "lm_head (an excluded module) quantized", ("fp8", "none"), excluded_but_quantized,
+          "coverage"),
+    Fault("scale_zero", "weight_scale 0 (a layer that saw no calibration data)", ("fp8", "none"), scale_zero, "scales"),
+    Fault("scale_negative", "negative weight_scale", ("fp8", "none"), scale_negative, "scales"),
+    Fault("scale_nan", "NaN input_scale (calibration overflowed)", ("fp8", "none"), scale_nan, "scales"),
+    Fault("fp8_block_scale_underflow", "NVFP4 per-block FP8 scales underflowed to 0", ("nvfp4", "none"),
+          fp8_block_scale_underflow, "scales"),
+    Fault("scale_subnormal", "FP8 per-tensor scale underflowed to a float32 denormal", ("fp8", "none"),
+          scale_subnormal, "scales"),
+    Fault("group_size_mismatch", "scale shapes do not match the declared group size", ("int4_awq", "none"),
+          group_size_mismatch, "scales"),
+    Fault("kv_scales_one", "FP8 KV scales all exactly 1.0", ("fp8", "fp8"), kv_scales_one, "kv_cache"),
+    Fault("halved_scales", "NVFP4 export with half-sized weight scales", ("nvfp4", "none"), halved_scales, "weights"),
+    Fault("scrambled_block_scales", "NVFP4 block scales out of order (dequantized cosine drops)", ("nvfp4", "fp8"),
+          scrambled_block_scales, "weights"),
+    Fault("dedupe_dropped", "a tied-weight dedupe dropped an untied weight", ("fp8", "none"), dedupe_dropped,
+          "tensors"),
+    Fault("config_changed", "config.json max_position_embeddings changed", ("fp8", "none"), config_changed,
+          "metadata"),
+    Fault("tokenizer_changed", "tokenizer.json differs from the reference's", ("fp8", "none"), tokenizer_changed,
+          "metadata"),
+    Fault("chat_template_changed", "chat template changed", ("fp8", "none"), chat_template_changed, "metadata"),
+    Fault("generation_config_changed", "generation_config eos_token_id changed", ("fp8", "none"),
+          generation_config_changed, "metadata"),
+    Fault("algo_mismatch", "hf_quant_config says FP8, the tensors are INT8 SmoothQuant", ("int8_sq", "none"),
+          algo_mismatch, "format"),
+    Fault("input_scale_missing", "input quantizers never calibrated (MoE expert without tokens)", ("fp8", "none"),
+          input_scale_missing, "scales"),
+    Fault("fused_group_mixed_formats", "q FP8, k/v INT4 in one fused qkv group (different formats, no error)",
+          ("fp8", "none"), fused_group_mixed_formats, "format"),
+    Fault("activation_saturation", "activation scales 64x too small: saturate (tensor checks pass)", ("fp8", "none"),
+          activation_saturation, "canary", canary=True),
+    Fault("swapped_layers", "two decoder layers swapped", ("fp8", "fp8"), swapped_layers, "weights"),
+]
+
+
+def damage(fault: Fault, healthy: Path, reference: Path, out: Path) -> list[str]:
+    """A copy of the healthy export at `out`, damaged by `fault`; returns the modules it damaged."""
+    shutil.copytree(healthy, out, ignore=shutil.ignore_patterns("manifest.json"))
+    export = Export(out, reference)
+    damaged = fault.corrupt(export)
+    export.save()
+    return damaged
+
+
+def detection(report, fault: Fault, damaged: list[str]):
+    """The error finding of the fault's check that names every damaged module, or None."""
+    return next((f for f in report.findings if f.check == fault.check and f.severity == "error"
+                 and set(damaged) <= set(f.modules)), None)
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def exports(tiny_llama, shared_cache, tmp_path_factory):
+    """(precision, kv) -> a healthy export of the tiny Llama made by quantlab's own pipeline (made once)."""
+    runs: dict[tuple[str, str], Path] = {}
+
+    def get(precision: str, kv: str) -> Path:
+        if (precision, kv) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"export_{precision}_{kv}")
+            block = ["precision.block_size=32"] if "awq" in precision else []
+            code = run_api([f"+precision={precision}", f"kv_cache={kv}", f"model.path={tiny_llama}",
+                            f"cache_dir={shared_cache}", "stop_after=export", *FAST, *block], run_dir)
+            assert code == 0
+            runs[(precision, kv)] = run_dir
+        return (runs[(precision, kv)] / "checkpoint").resolve()
+
+    get.runs = runs
+    return get
+
+
+# --------------------------------------------------------------------------------------------- healthy
+@pytest.mark.parametrize("precision,kv", HEALTHY)
+def test_healthy_exports_have_no_error(precision, kv, exports, tiny_llama):
+    from quantlab.audit import audit
+
+    report = audit(exports(precision, kv), tiny_llama)
+    assert report.errors == [], report.render()
+    assert report.warnings == [], report.render()
+    assert report.canary is not None and report.canary["top1"] > 0.85
+    assert {r["module"] for r in report.layers} == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert report.quant_algo == {"fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int4_awq": "W4A16_AWQ",
+                                 "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4"}[precision]
+    coverage = report.find("coverage", "info")[0].message
+    assert "lm_head 1/1 high precision" in coverage
+    if "awq" in precision:  # AWQ scales folded into the norms: recognised, not reported as damage
+        assert report.find("tensors", "info") and all(r["fold"] for r in report.layers if "q_proj" in r["module"])
+
+
+def test_healthy_export_without_reference(exports):
+    """Without a reference the checks that need it are skipped, and the report says so."""
+    from quantlab.audit import audit
+
+    report = audit(exports("int4_awq", "none"), None)
+    assert report.errors == [] and report.canary is None and report.layers == []
+    assert any("no reference model given" in f.message for f in report.find("weights", "info"))
+    assert any(s.startswith("canary") for s in report.skipped)
+
+
+# --------------------------------------------------------------------- the 4-bit layers the audit reads with
+def test_w4a8_engine_matches_modelopt_fakequant(exports, tiny_llama):
+    """engine=torch's W4A8_AWQ layers (QLAYERS) against ModelOpt's own fake-quant model as export leaves it
+    (requantize_resmooth_fused_llm_layers): top-1 agreement >= 0.99 on held-out text."""
+    import torch
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    from quantlab.artifacts import Artifact
+    from quantlab.audit import _canary_ids
+    from quantlab.config import ModelConfig
+    from quantlab.engines.torch_engine import load_exported
+    from quantlab.env import resolve_device
+    from quantlab.metrics import compare_positions
+    from quantlab.models import load_tokenizer
+    from quantlab.stages.prepare import _local
+    from quantlab.stages.quantize import restore
+
+    ckpt = exports("w4a8_awq", "none")
+    qpath = Path(json.loads((exports.runs[("w4a8_awq", "none")] / "run.json").read_text())
+                 ["artifacts"]["quantize"]["path"])
+    ref = _local(ModelConfig(path=str(tiny_llama)))
+    device = resolve_device("cpu")
+    fakequant = restore(Artifact("quantize", qpath.name, qpath, json.loads((qpath / "manifest.json").read_text())),
+                        ref, device, torch.float32)
+    requantize_resmooth_fused_llm_layers(fakequant)
+    engine, plan = load_exported(ckpt, device, torch.float32)
+    assert plan["formats"] == {"W4A8_AWQ": 14}
+    ids = _canary_ids(load_tokenizer(ref), 4, 64)
+    with torch.no_grad():
+        a, b = fakequant(ids).logits, engine(ids).logits
+    cmp = compare_positions(a[:, :-1], b[:, :-1], ids[:, 1:])
+    assert float((cmp["argmax_ref"] == cmp["argmax_cand"]).float().mean()) >= 0.99
+    assert float(cmp["kl"].mean()) < 1e-4
+
+
+def test_nvfp4_layer_matches_modelopt_numerics(exports):
+    """The NVFP4 layer's dequantized weight equals ModelOpt's own NVFP4 dequantization bit for bit, and its dynamic
+    activation quantization (blocks of 16, the exported input_scale as global scale) equals ModelOpt's NVFP4
+    quantize + dequantize round trip."""
+    import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    from quantlab.checkpoint import CheckpointTensors, read_quant_config
+    from quantlab.engines.qlayers import QLAYERS, LayerContext, nvfp4_qdq
+
+    ckpt = exports("nvfp4", "none")
+    t, quant = CheckpointTensors(ckpt), read_quant_config(ckpt)
+    ctx = LayerContext("cpu", False, torch.float32)
+    layers = [n[: -len(".weight_scale")] for n in t.names() if n.endswith(".weight_scale")]
+    assert len(layers) == 14
+    for name in layers:
+        out_f, half_in = t.shape_of(f"{name}.weight")
+        layer = QLAYERS["NVFP4"].from_checkpoint(name, out_f, half_in * 2, False, t, quant.format_of(name), ctx)
+        theirs = NVFP4QTensor(torch.Size([out_f, half_in * 2]), torch.float32, t.get(f"{name}.weight")).dequantize(
+            torch.float32, scale=t.get(f"{name}.weight_scale"), double_scale=t.get(f"{name}.weight_scale_2"),
+            block_sizes={-1: 16})
+        assert torch.equal(layer.dequantized_weight(), theirs), name
+    global_scale = t.get(f"{layers[-1]}.input_scale").float()
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.75, -3.5, 0, 0, 0, 0, 0, 0]) * 8
+    packed, block_scales, _ = NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=global_scale)
+    theirs = packed.dequantize(torch.float32, scale=block_scales, double_scale=global_scale, block_sizes={-1: 16})
+    assert torch.equal(nvfp4_qdq(x, global_scale), theirs)
+
+
+# ----------------------------------------------------------------------------------------------- faults
+def test_fault_catalogue_covers_the_issue():
+    assert len({f.name for f in FAULTS}) == len(FAULTS) >= 10
+    assert {f.check for f in FAULTS} >= {"coverage", "scales", "kv_cache", "weights", "tensors", "metadata", "format",
+                                         "canary"}
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_fault_is_detected(fault, exports, tiny_llama, tmp_path):
+    from quantlab.audit import audit
+
+    out = tmp_path / fault.name
+    damaged = damage(fault, exports(*fault.base), tiny_llama, out)
+    report = audit(out, tiny_llama, canary=fault.canary)
+    found = detection(report, fault, damaged)
+    assert found is not None, f"{fault.name}: no {fault.check} error naming {damaged}\n{report.render()}"
+    assert found.cause and found.message
+    if fault.canary:  # what only the canary sees: every tensor-level check passes
+        assert [f.check for f in report.errors] == ["canary"], report.render()
+
+
+def test_damage_is_reported_with_its_numbers(exports, tiny_llama, tmp_path):
+    """Halved NVFP4 scales: gain 2 (the factor that maps the weights back onto the reference), SQNR ~6 dB."""
+    from quantlab.audit import audit
+
+    fault = next(f for f in FAULTS if f.name == "halved_scales")
+    damage(fault, exports(*fault.base), tiny_llama, tmp_path / "halved")
+    report = audit(tmp_path / "halved", tiny_llama, canary=False)
+    assert all(abs(r["gain"] - 2.0) < 0.05 and r["sqnr_db"] < 7 for r in report.layers)
+    gain = [f for f in report.find("weights", "error") if "constant factor" in f.message]
+    assert gain and re.search(r"gain (1\.9[5-9]|2\.0[0-5])", gain[0].message), gain
+
+
+def test_swapped_layers_fail_the_canary_too(exports, tiny_llama, tmp_path):
+    from quantlab.audit import audit
+
+    fault = next(f for f in FAULTS if f.name == "swapped_layers")
+    damage(fault, exports(*fault.base), tiny_llama, tmp_path / "swapped")
+    report = audit(tmp_path / "swapped", tiny_llama)
+    assert report.find("canary", "error") and report.canary["top1"] < 0.7
+
+
+# ------------------------------------------------------------------------------------------- report API
+def test_report_round_trip_and_rendering(exports, tiny_llama, tmp_path):
+    from quantlab.audit import AuditReport, abbreviate, audit
+
+    fault = next(f for f in FAULTS if f.name == "group_size_mismatch")
+    damage(fault, exports(*fault.base), tiny_llama, tmp_path / "g")
+    report = audit(tmp_path / "g", tiny_llama, canary=False)
+    again = AuditReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.to_dict() == report.to_dict() and not again.passed
+    text = report.render()
+    assert "ERRORS (" in text and "likely cause:" in text and "model.layers.{0-1}.mlp.down_proj (2)" in text
+    assert "'" not in abbreviate(["model.layers.0.mlp.down_proj"])  # plain names, never repr()
+    assert abbreviate([f"model.layers.{i}.mlp.down_proj" for i in range(30)] + ["lm_head"]) == \
+        "lm_head; model.layers.{0-29}.mlp.down_proj (30)"
+    assert abbreviate(["a.1.b", "a.0.b"]) == "a.0.b, a.1.b"
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def _cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "quantlab.audit", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_exit_codes_healthy_and_damaged(exports, tiny_llama, tmp_path):
+    healthy = _cli([exports("fp8", "fp8"), "--reference", tiny_llama, "--json", tmp_path / "ok.json"])
+    assert healthy.returncode == 0, healthy.stderr
+    assert "quantlab audit: PASS" in healthy.stdout and "Traceback" not in healthy.stderr
+    doc = json.loads((tmp_path / "ok.json").read_text())
+    assert doc["passed"] and doc["summary"]["error"] == 0 and doc["canary"]["positions"] == 254
+    fault = next(f for f in FAULTS if f.name == "scale_nan")
+    damaged = damage(fault, exports(*fault.base), tiny_llama, tmp_path / "nan")
+    broken = _cli([tmp_path / "nan", "--reference", tiny_llama, "--no-canary"])
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "ERRORS (" in broken.stdout and damaged[0] in broken.stdout and "Traceback" not in broken.stderr
+
+
+def test_cli_unusable_input_exits_2(exports, tiny_llama, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(exports("fp8", "none"), corrupt)
+    with open(corrupt / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 16)
+    cases = [
+        ([tmp_path / "nowhere"], "does not exist"),
+        ([tiny_llama], "hf_quant_config.json"),
+        ([corrupt], "not a readable safetensors file"),
+        ([exports("fp8", "none"), "--reference", tmp_path / "nowhere"], "reference"),
+        ([exports("fp8", "none"), "--reference", exports("fp8", "fp8")], "already a quantized checkpoint"),
+    ]
+    for args, words in cases:
+        out = _cli([*args, "--no-canary"], timeout=120)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("quantlab: error: ") and words in out.stderr, out.stderr
+        assert "fix:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_interrupt_exits_130(monkeypatch, capsys, exports):
+    import quantlab.audit as audit_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(audit_module, "audit", interrupted)
+    assert audit_module.main([str(exports("fp8", "none"))]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "quantlab audit: interrupted"
+
+
+# ------------------------------------------------------------------------------------------------ step
+def test_audit_step_is_cached_and_audits_external_checkpoints(exports, tiny_llama, shared_cache, tmp_path):
+    from conftest import compose
+
+    from quantlab.graph import Executor, steps_for
+    from quantlab.pipeline import context
+    from quantlab.stages import audit as audit_stage
+
+    def audited(overrides: list[str]):
+        cfg = compose([f"model.path={tiny_llama}", f"cache_dir={shared_cache}", "stop_after=export", *FAST,
+                       *overrides])[0]
+        ctx = context(cfg)
+        step = audit_stage.step(ctx)
+        assert (step.name, step.stage, step.directory) == ("audit", "export", "audit")
+        assert step.needs == ("export", "prepare")
+        steps = steps_for(ctx)
+        assert [s.name for s in steps].index("audit") == [s.name for s in steps].index("export") + 1
+        run = Executor(ctx, steps)
+        return run.value("audit"), ctx.store.events
+
+    report, events = audited(["+precision=fp8", "kv_cache=fp8"])
+    assert report.passed and report.canary is not None
+    report, events = audited(["+precision=fp8", "kv_cache=fp8"])
+    assert [a for s, _, a in events if s == "audit"] == ["reused"] and report.passed
+    fault = next(f for f in FAULTS if f.name == "kv_scales_one")
+    damage(fault, exports(*fault.base), tiny_llama, tmp_path / "ext")
+    report, _ = audited(["+precision=fp8", "kv_cache=fp8", f"engine.checkpoint={tmp_path / 'ext'}"])
+    assert not report.passed and report.find("kv_cache", "error")
+
+
+def test_pipeline_stops_on_an_audit_error_before_evaluating(exports, tiny_llama, shared_cache, tmp_path):
+    """engine.checkpoint= a damaged export: exit 1 with the finding in report.md / report.html / junit.xml, no
+    evaluation (no metrics.json, no evaluate artifact built), the reports of this run and no other."""
+    import xml.etree.ElementTree as ET
+
+    from conftest import read_json, run_cli
+
+    fault = next(f for f in FAULTS if f.name == "scale_nan")
+    damaged = damage(fault, exports(*fault.base), tiny_llama, tmp_path / "ext")
+    res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", f"engine.checkpoint={tmp_path / 'ext'}", *FAST,
+                   "hydra.run.dir=outputs/r"], cwd=tmp_path, cache=shared_cache)
+    assert res.returncode == 1, res.stderr[-3000:]
+    run = tmp_path / "outputs" / "r"
+    assert "checkpoint audit found" in res.stdout and not (run / "metrics.json").exists()
+    md = (run / "report.md").read_text()
+    from quantlab.report.render import md_escape
+
+    assert "FAIL" in md and "nothing was evaluated" in md and md_escape(damaged[0]) in md
+    assert "nothing was evaluated" in (run / "report.html").read_text()
+    suite = ET.parse(run / "junit.xml").getroot().find("testsuite")
+    assert int(suite.get("failures")) >= 1
+    record = read_json(run / "run.json")
+    assert record["exit_code"] == 1 and record["audit"]["passed"] is False
+    assert not [e for e in record["events"] if e["stage"] == "evaluate" and e["action"] == "built"]
+    # a healthy checkpoint of the same run passes its audit and the report says so
+    res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "hydra.run.dir=outputs/ok"], cwd=tmp_path,
+                  cache=shared_cache)
+    assert res.returncode in (0, 1), res.stderr[-3000:]
+    doc = read_json(tmp_path / "outputs" / "ok" / "metrics.json")
+    assert doc["run"]["audit"]["passed"] is True
+    assert "Checkpoint audit: passed" in (tmp_path / "outputs" / "ok" / "report.md").read_text()
