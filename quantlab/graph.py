@@ -62,6 +62,8 @@ def targets(steps: list[Step]) -> list[str]:
     names = [s.name for s in steps if s.target and (STAGES.index(s.stage) == last or s.stage in ("prepare", "data"))]
     if any(s.name == "export" for s in steps) and "export" not in names:
         names.insert(len([n for n in names if n.startswith(("prepare", "data"))]), "export")
+    if any(s.name == "audit" for s in steps) and "audit" not in names:  # every export is audited before evaluation
+        names.insert(names.index("export") + 1, "audit")
     return names
 
 

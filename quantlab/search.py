@@ -724,6 +724,8 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
                     time.time() - start, argv, top_known)
     _write_reports(run_dir, doc, chain, evaluations, winner, groups, cfg)
     if winner is not None:
+        from quantlab.pipeline import _link
+
         _link(run_dir / "winner", Path(winner.export))
         what = (f"search: cheapest passing configuration {winner.label}: {winner.candidate.bits:.2f} bits per weight "
                 f"({winner.candidate.aq_bits:.2f} as AutoQuantize counts), ppl ratio "
@@ -761,14 +763,6 @@ def evaluate_candidate(cfg: Config, ctx, sens: Sensitivity, groups: list[Group],
 
 def _slug(label: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
-
-
-def _link(link: Path, target: Path) -> None:
-    tmp = link.with_name(f".{link.name}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
 
 
 def _evaluate_export(cfg: Config, path: Path, kv: str, run_dir: Path, argv: list[str]) -> tuple[int, dict]:

@@ -39,9 +39,9 @@ def _kill_when(args, marker: str, cwd, cache) -> bool:
 
 
 @pytest.mark.parametrize("marker,finished", [
-    ("calibration batch 6/24", set()),
+    pytest.param("calibration batch 6/24", set(), marks=pytest.mark.slow),  # the default tier kills one stage
     ("export: writing", {"quantize"}),
-    ("torch windows 1-4 of 12", {"quantize", "export"}),
+    pytest.param("torch windows 1-4 of 12", {"quantize", "export"}, marks=pytest.mark.slow),
 ])
 def test_sigkill_then_rerun_completes_and_reuses(marker, finished, tiny_llama, tmp_path):
     cache = tmp_path / "cache"

@@ -160,10 +160,17 @@ def test_corrupted_checkpoint_is_named(damage, message, tiny_llama, tmp_path, sh
         f.write_bytes(f.read_bytes()[:-4096])
     with pytest.raises(QuantlabError, match=message.replace(".", r"\.")):
         load_exported(ckpt, resolve_device("cpu"), torch.float32)
-    res = run_cli(["+precision=fp8", "kv_cache=fp8", f"model.path={tiny_llama}", f"engine.checkpoint={ckpt}", *FAST],
-                  cwd=tmp_path, cache=shared_cache)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert message in res.stderr
+    res = run_cli(["+precision=fp8", "kv_cache=fp8", f"model.path={tiny_llama}", f"engine.checkpoint={ckpt}", *FAST,
+                   "hydra.run.dir=outputs/r"], cwd=tmp_path, cache=shared_cache)
+    if damage == "truncated":  # not a readable checkpoint at all: bad input
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert message in res.stderr
+        return
+    # a readable but broken checkpoint fails its audit before any evaluation: exit 1, the tensor named in the report
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "checkpoint audit found" in res.stdout and not (tmp_path / "outputs" / "r" / "metrics.json").exists()
+    report = json.loads((tmp_path / "outputs" / "r" / "audit.json").read_text())
+    assert any(message in f["message"] for f in report["findings"]), report["findings"]
 
 
 def test_external_checkpoint_evaluates_and_must_match_the_recipe(tiny_llama, tmp_path, shared_cache):

@@ -209,6 +209,15 @@ def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, w
     if not attentions:
         raise QuantlabError(f"checkpoint {t.ckpt} says kv_cache_quant_algo=FP8 but holds no k_scale tensor",
                             fix="re-export the checkpoint with kv_cache=fp8")
+    # every attention module of the model needs its scales: one missing would run that layer unquantized (or fail)
+    have = {to_memory.get(disk, disk) for disk in attentions}
+    to_disk = {m: d for d, m in to_memory.items()}
+    missing = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and n not in have)
+    if missing:
+        raise QuantlabError(f"exported checkpoint {t.ckpt} is missing tensor "
+                            f"{to_disk.get(missing[0], missing[0])}.k_proj.k_scale (KV scales of {len(missing)} "
+                            "attention module(s) absent though kv_cache_quant_algo=FP8)",
+                            fix="re-export the checkpoint with kv_cache=fp8")
     for disk in attentions:
         memory = to_memory.get(disk, disk)
         try:
