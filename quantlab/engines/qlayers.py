@@ -63,6 +63,14 @@ def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (fp8_quantize(flat, 1.0 / scale).float() * scale).to(x.dtype).reshape(x.shape)
 
 
+def checked_group_size(name: str, in_features: int, block: int | None) -> int:
+    """The declared group size of a blockwise layer, which must divide its input width (exit 2 otherwise)."""
+    if not block or in_features % block:
+        raise QuantlabError(f"{name}: group_size {block} does not divide its input width {in_features}",
+                            fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+    return block
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N/2, K] (rows 2r in the low nibble, 2r+1 in the high nibble, two's complement) -> int8 [N, K]."""
     low = (packed & 0x0F).to(torch.int16)
@@ -270,10 +278,7 @@ class Int4AwqLinear(QuantLinear):
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
-        n, k, block = out_features, in_features, fmt.group_size
-        if not block or k % block:
-            raise QuantlabError(f"{name}: group_size {block} does not divide its input width {k}",
-                                fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+        n, k, block = out_features, in_features, checked_group_size(name, in_features, fmt.group_size)
         pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
         return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)),
                    cls._scale(f"{name}.weight_scale", t, (n, k // block)),
@@ -429,10 +434,7 @@ class W4A8AwqLinear(QuantLinear):
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
-        n, k, block = out_features, in_features, fmt.group_size
-        if not block or k % block:
-            raise QuantlabError(f"{name}: group_size {block} does not divide its input width {k}",
-                                fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
+        n, k, block = out_features, in_features, checked_group_size(name, in_features, fmt.group_size)
         packed = t.get(f"{name}.weight", torch.uint8, (n // 2, k))
         scale = cls._scale(f"{name}.weight_scale", t, (n, k // block))
         scale_2 = cls._scale(f"{name}.weight_scale_2", t, ())
