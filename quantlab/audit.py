@@ -64,7 +64,7 @@ from quantlab.checkpoint import (
     read_quant_config,
     tensor_index,
 )
-from quantlab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, QuantlabError
+from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK, QuantlabError, cli_guard
 
 log = logging.getLogger("quantlab")
 
@@ -1261,22 +1261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--canary-tokens", type=int, default=128, metavar="N", help="tokens per window (default 128)")
     parser.add_argument("--quiet", action="store_true", help="print errors and warnings only")
     args = parser.parse_args(argv)
-    try:
-        return _main(args)
-    except QuantlabError as exc:
-        print(f"quantlab: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("\nquantlab audit: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - a bug of ours: one paragraph, the traceback in a file
-        import tempfile
-        import traceback
-
-        trace = Path(tempfile.gettempdir()) / "quantlab-audit-traceback.txt"
-        trace.write_text(traceback.format_exc())
-        print(f"quantlab: internal error: {type(exc).__name__}: {exc}\n  traceback: {trace}", file=sys.stderr)
-        return EXIT_INTERNAL
+    return cli_guard(_main, args, interrupted="\nquantlab audit: interrupted",
+                     traceback_file="quantlab-audit-traceback.txt")
 
 
 def _main(args) -> int:

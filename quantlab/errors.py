@@ -19,9 +19,10 @@ class QuantlabError(Exception):
         super().__init__(message if fix is None else f"{message}\n  fix: {fix}")
 
 
-def cli_guard(main, argv=None) -> int:
+def cli_guard(main, argv=None, *, interrupted: str = "quantlab: interrupted", traceback_file: str | None = None) -> int:
     """Run an auxiliary CLI's main(argv) under the main CLI's exit-code contract: a QuantlabError is one paragraph
-    and exit 2, Ctrl-C one line and exit 130, a bug one line and exit 3 (never a traceback wall)."""
+    and exit 2, Ctrl-C one line (`interrupted`) and exit 130, a bug one line and exit 3 (never a traceback wall; with
+    `traceback_file`, a name in the temp directory, the traceback is kept there and the line names it)."""
     import sys
 
     try:
@@ -30,8 +31,17 @@ def cli_guard(main, argv=None) -> int:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("quantlab: interrupted", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the type and message
-        print(f"quantlab: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        where = ""
+        if traceback_file:
+            import tempfile
+            import traceback
+            from pathlib import Path
+
+            trace = Path(tempfile.gettempdir()) / traceback_file
+            trace.write_text(traceback.format_exc())
+            where = f"\n  traceback: {trace}"
+        print(f"quantlab: internal error: {type(exc).__name__}: {exc}{where}", file=sys.stderr)
         return EXIT_INTERNAL
