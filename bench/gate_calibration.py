@@ -45,23 +45,6 @@ def windows_exceedance(rng, sims: int, n: int, t: int, rate: float, shape: float
     return rng.binomial(t, r) / t, None
 
 
-def run_rate_design(shares: np.ndarray, t: int, threshold: float, design) -> dict:
-    """Sequential decisions of quantlab.stats.decide_rate (clustered Clopper-Pearson) over simulated datasets."""
-    from quantlab import stats
-
-    sims = shares.shape[0]
-    verdict, stop = np.zeros(sims, dtype=np.int8), np.full(sims, design.cap)
-    counts = np.rint(shares * t)
-    for i in range(sims):
-        for k, n in enumerate(design.looks):
-            d = stats.decide_rate(counts[i, :n], np.full(n, t), threshold, False, design, k)
-            if d.verdict != "undecided":
-                verdict[i], stop[i] = (1 if d.verdict == "pass" else -1), n
-                break
-    return {"pass": float((verdict == 1).mean()), "fail": float((verdict == -1).mean()),
-            "undecided_at_cap": float((verdict == 0).mean()), "mean_windows": float(stop.mean())}
-
-
 def chunked(gen, sims: int, chunk: int = 2000):
     """Draw in chunks (memory), concatenated."""
     parts = [gen(min(chunk, sims - i)) for i in range(0, sims, chunk)]
@@ -71,19 +54,15 @@ def chunked(gen, sims: int, chunk: int = 2000):
 
 
 def run_design(values: np.ndarray, threshold: float, higher_is_better: bool, design) -> dict:
-    """Vectorized sequential decisions over simulated datasets; the same rule as quantlab.stats.decide."""
+    """Vectorized sequential decisions over simulated datasets: quantlab.stats.interval at each look, the rule of
+    quantlab.stats.decide (which the gate calls for every window-mean check, exceedance shares included)."""
     from quantlab import stats
 
     sims = values.shape[0]
     verdict = np.zeros(sims, dtype=np.int8)  # 0 undecided, 1 pass, -1 fail
     stop = np.full(sims, design.cap)
     for k, n in enumerate(design.looks):
-        v = values[:, :n]
-        mean, sd = v.mean(1), v.std(1, ddof=1)
-        se = sd / math.sqrt(n)
-        c = design.t_boundary(k, n)
-        centre = mean + stats.skew_shift(v)
-        lo, hi = centre - c * se, centre + c * se
+        _, lo, hi, _ = stats.interval(values[:, :n], design.t_boundary(k, n))
         if higher_is_better:
             passed, failed = lo >= threshold, hi < threshold
         else:
@@ -123,7 +102,6 @@ def main() -> None:
     ap.add_argument("--spending", default="pocock")
     ap.add_argument("--pool", help="a metrics.json whose per-window values to resample")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate-sims", type=int, default=10000, help="datasets for the exceedance check (slower)")
     ap.add_argument("--rate-shape", type=float, default=2.0,
                     help="Beta shape of per-window exceedance rates (smaller = more clustered; 0.5 is extreme)")
     ap.add_argument("--out", help="write the table as JSON here")
@@ -132,11 +110,14 @@ def main() -> None:
     start = time.time()
     designs = {"sequential": stats.make_design(args.cap, args.looks, args.alpha, args.beta, True, args.spending),
                "fixed": stats.make_design(args.cap, args.looks, args.alpha, args.beta, False)}
-    # check kinds: (name, threshold, higher_is_better, token sd, distribution)
+    # check kinds: (name, threshold, higher_is_better, token sd or exceedance cluster shape, distribution); the
+    # last two are stress cases (a p95 check, and exceedances in extreme clusters), reported beside the others
     kinds = [("ppl_ratio (dNLL <= log 1.10)", math.log(1.10), False, 0.6, "normal"),
              ("top1_agreement >= 0.80", 0.80, True, 0.4, "normal"),
              ("kl_mean <= 0.25", 0.25, False, 0.5, "lognormal"),
-             ("kl_p99 <= t (exceedance <= 0.01)", 0.01, False, 0.0, "exceedance")]
+             ("kl_p99 <= t (exceedance <= 0.01)", 0.01, False, args.rate_shape, "exceedance"),
+             ("kl_p95 <= t (exceedance <= 0.05)", 0.05, False, args.rate_shape, "exceedance"),
+             ("kl_p99, extreme clusters (shape 0.5)", 0.01, False, 0.5, "exceedance")]
     pool = None
     if args.pool:
         doc = json.loads(open(args.pool).read())
@@ -151,26 +132,21 @@ def main() -> None:
                 base = pool[name] - pool[name].mean()
                 null, tokens = threshold + rng.choice(base, (sims, args.cap)), None
             elif dist == "exceedance":
-                null, tokens = chunked(lambda m, threshold=threshold: windows_exceedance(rng, m, args.cap,
-                                                                                         args.tokens * 8, threshold,
-                                                                                         args.rate_shape), sims)
+                null, tokens = chunked(lambda m, threshold=threshold, sd=sd: windows_exceedance(
+                    rng, m, args.cap, args.tokens * 8, threshold, sd), sims)
             else:
                 null, tokens = chunked(lambda m, threshold=threshold, sd=sd, dist=dist:
                                        windows_ar1(rng, m, args.cap, args.tokens, threshold, sd, 0.6, dist), sims)
-            sigma = float(null.std(1, ddof=1).mean())
-            k = len(design.looks) - 1  # the MDE the gate reports at the cap: (t boundary + t_beta) * sigma / sqrt(n)
-            mde = (design.t_boundary(k, args.cap) + design.t_beta(args.cap)) * sigma / math.sqrt(args.cap)
+            k = len(design.looks) - 1  # the MDE the gate reports at the cap (stats.mde), averaged over the datasets
+            c = design.t_boundary(k, args.cap)
+            mean, lo, hi, se = stats.interval(null, c)
+            mde = float(np.mean(stats.mde(mean, lo, hi, se, hib, c, design.t_beta(args.cap, c))))
             shift = mde if hib else -mde
             alt = null + shift
-            if dist == "exceedance":  # the reported MDE of the rate test at the cap, the alternative drawn at it
-                sims, t = min(sims, args.rate_sims), args.tokens * 8
-                null = null[:sims]
-                mde = float(np.median([stats.decide_rate(np.rint(null[i] * t), np.full(args.cap, t), threshold, False,
-                                                         design, len(design.looks) - 1).mde for i in range(200)]))
-                alt = windows_exceedance(rng, sims, args.cap, t, max(threshold - mde, 1e-4), args.rate_shape)[0]
-                r0, r1 = run_rate_design(null, t, threshold, design), run_rate_design(alt, t, threshold, design)
-            else:
-                r0, r1 = run_design(null, threshold, hib, design), run_design(alt, threshold, hib, design)
+            if dist == "exceedance":  # the alternative drawn at the lower rate (a shifted share could go negative)
+                alt = chunked(lambda m, r=max(threshold - mde, 1e-4), sd=sd: windows_exceedance(
+                    rng, m, args.cap, args.tokens * 8, r, sd), sims)[0]
+            r0, r1 = run_design(null, threshold, hib, design), run_design(alt, threshold, hib, design)
             row = {"check": name, "design": design_name, "looks": list(design.looks), "sims": sims,
                    "type_I": r0["pass"], "power_at_mde": r1["pass"], "mde": mde,
                    "mean_windows_null": r0["mean_windows"], "mean_windows_alt": r1["mean_windows"],
@@ -178,7 +154,7 @@ def main() -> None:
             if tokens is not None and design_name == "fixed" and not hib:
                 row["naive_token_type_I"] = naive_token_test(tokens[:2000], threshold, args.alpha)
             rows.append(row)
-            print(f"{name:34s} {design_name:10s} type-I {mc_interval(row['type_I'], sims)}  "
+            print(f"{name:37s} {design_name:10s} type-I {mc_interval(row['type_I'], sims)}  "
                   f"power at MDE {mc_interval(row['power_at_mde'], sims)}  (MDE {mde:.4g}; mean windows "
                   f"{row['mean_windows_null']:.1f} at the threshold, {row['mean_windows_alt']:.1f} at the MDE)"
                   + (f"  naive token-level test type-I {row['naive_token_type_I']:.3f}" if "naive_token_type_I" in row

@@ -134,7 +134,53 @@ def test_decide_three_ways():
     assert stats.decide(good, 0.5, False, design, 0).verdict == "fail"
     assert stats.decide(good, 1.001, False, design, 0).verdict == "undecided"
     d = stats.decide(good, 1.5, False, design, 0)
-    assert d.mde == pytest.approx((d.boundary + stats.Design((8,), .05, .2).t_beta(8)) * d.se)
+    # symmetric values: the plain t interval, and the MDE is (boundary + power margin) standard errors
+    assert d.hi - d.value == pytest.approx(d.boundary * d.se)
+    assert d.mde == pytest.approx((d.boundary + design.t_beta(8, d.boundary)) * d.se)
+
+
+def test_interval_widens_only_the_side_the_skew_threatens():
+    """Right-skewed window values (KL): the upper end moves out, the lower end stays the t interval's; mirrored
+    values mirror it. A correction that could narrow a side would pass lucky samples too often."""
+    v = np.array([0.1, 0.11, 0.12, 0.1, 0.13, 0.11, 0.12, 0.6])
+    c = 2.5
+    mean, lo, hi, se = stats.interval(v, c)
+    assert hi - mean > c * se * 1.05
+    assert mean - lo == pytest.approx(c * se)
+    m2, lo2, hi2, se2 = stats.interval(-v, c)
+    assert (m2, lo2, hi2) == pytest.approx((-mean, -hi, -lo))
+
+
+def test_gate_checks_hold_their_error_rates_by_simulation():
+    """A smaller run of bench/gate_calibration.py's simulation: a skewed (lognormal) KL mean and a clustered
+    exceedance share exactly on the threshold pass about alpha of the time under the sequential design, and
+    a plain t interval on the same data would not (it passes the exceedance check more than twice as often)."""
+    rng = np.random.default_rng(7)
+    design = stats.make_design(64, 8, 0.05, 0.2)
+    sims = 4000
+    rates = rng.beta(2.0, 2.0 * 0.99 / 0.01, (sims, 64))
+    shares = rng.binomial(512, rates) / 512
+    level = rng.lognormal(0.0, 0.6, (sims, 64))
+    kl = 0.25 + (level / np.exp(0.18) - 1.0) * 0.125 + rng.normal(0, 0.06, (sims, 64))
+
+    def pass_rate(values, threshold, plain=False):
+        verdict = np.zeros(sims, dtype=np.int8)
+        for k, n in enumerate(design.looks):
+            c = design.t_boundary(k, n)
+            v = values[:, :n]
+            if plain:
+                se = v.std(1, ddof=1) / np.sqrt(n)
+                lo, hi = v.mean(1) - c * se, v.mean(1) + c * se
+            else:
+                _, lo, hi, _ = stats.interval(v, c)
+            open_ = verdict == 0
+            verdict[open_ & (hi <= threshold)] = 1
+            verdict[open_ & (lo > threshold) & (hi > threshold)] = -1
+        return float((verdict == 1).mean())
+
+    for values, threshold in ((kl, 0.25), (shares, 0.01)):
+        assert 0.035 <= pass_rate(values, threshold) <= 0.065  # 5% +- 1%, plus this run's Monte Carlo error
+    assert pass_rate(shares, 0.01, plain=True) > 0.10
 
 
 def test_registry_directions():
