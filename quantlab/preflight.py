@@ -130,7 +130,9 @@ def check_device(cfg: Config, device: Device) -> None:
         raise QuantlabError(
             f"{precision.name}{kv_note} needs compute capability >= {need[0]}.{need[1]} ({precision.gpu_generation}); "
             f"{device.name} has {device.capability[0]}.{device.capability[1]}",
-            fix="use int8_sq or int4_awq with kv_cache=none on this GPU, or run on a newer GPU")
+            fix=f"use a precision this GPU runs ({', '.join(_runnable(device))})"
+                + (" with kv_cache=none" if kv.min_capability and device.capability < kv.min_capability else "")
+                + ", or run on a newer GPU")
 
 
 def check_family(cfg: Config, ref, ctx) -> None:
@@ -152,3 +154,11 @@ def check_lengths(cfg: Config, max_positions: int | None) -> None:
         if max_positions and value > max_positions:
             raise QuantlabError(f"{knob}={value} is over the model's max positions ({max_positions})",
                                 fix=f"set {knob} to {max_positions} or less")
+
+
+def _runnable(device: Device) -> list[str]:
+    """Precisions whose kernels this GPU has (from the registry: a new precision is listed by declaring it)."""
+    from quantlab.precisions import PRECISIONS
+
+    return [p.name for p in PRECISIONS.values() if p.modelopt_cfg  # mixed: only the search exports it
+            and (not p.min_capability or device.capability >= p.min_capability)]

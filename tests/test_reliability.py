@@ -131,10 +131,17 @@ def test_fp8_on_a_pre_ada_gpu_is_refused_with_the_reason():
 
     cfg, _ = compose(["+precision=fp8"])
     a100 = Device("cuda", 0, "NVIDIA A100-SXM4-80GB", (8, 0))
-    with pytest.raises(QuantlabError, match=r"compute capability >= 8.9 .* A100-SXM4-80GB has 8.0"):
+    with pytest.raises(QuantlabError, match=r"compute capability >= 8.9 .* A100-SXM4-80GB has 8.0") as err:
         preflight.check_device(cfg, a100)
+    assert "int8_sq, int4_awq" in err.value.fix and "fp8" not in err.value.fix.split("(")[1].split(")")[0]
     cfg, _ = compose(["+precision=int8_sq", "kv_cache=fp8"])
-    with pytest.raises(QuantlabError, match="fp8 kv cache"):
+    with pytest.raises(QuantlabError, match="fp8 kv cache") as err:
         preflight.check_device(cfg, a100)
+    assert "kv_cache=none" in err.value.fix
+    h200 = Device("cuda", 0, "NVIDIA H200", (9, 0))  # NVFP4 needs Blackwell: the fix offers what Hopper runs
+    cfg, _ = compose(["+precision=nvfp4"])
+    with pytest.raises(QuantlabError, match="nvfp4 needs compute capability >= 10.0") as err:
+        preflight.check_device(cfg, h200)
+    assert "fp8" in err.value.fix and "nvfp4" not in err.value.fix and "kv_cache" not in err.value.fix
     cfg, _ = compose(["+precision=int8_sq"])
     preflight.check_device(cfg, a100)  # INT8 SmoothQuant runs there
