@@ -5,10 +5,13 @@ evaluation WikiText-2 test at 512 tokens (the sequential gate, cap --max-windows
 thresholds applied to every configuration (gate.per_precision off: one quality bar).
 
 1. The search, as a user runs it (`python -m quantlab +search=cheapest ...`, in-process through quantlab.api):
-   formats int4_awq / fp8 / none per layer group, int4 at the model's block (64) and at 32. Wall time, evaluations,
-   tokens, the winner.
-2. AutoQuantize, in the same process on the same calibrated model (its per-format calibration and gradient scores,
-   the search's sensitivity artifact): its own pick (`_resolve_best_recipe`, its LP over its scores and costs) at
+   formats int4_awq / fp8 / none per layer group, int4 at the model's block (64) and at --block-sizes (default none;
+   per-layer group size is a dimension AutoQuantize does not search; 128 does not divide this model's 576 inputs),
+   cost = stored bits, sensitivity --sensitivity (AutoQuantize's gradient scores, or measured). Wall time,
+   evaluations, tokens, the winner.
+2. AutoQuantize over its own formats (INT4-AWQ at the model's block, FP8, none), calibrated on the same data (its
+   per-format calibration and gradient scores; the search's own sensitivity artifact when it used the same): its
+   own pick (`_resolve_best_recipe`, its LP over its scores and costs) at
    an effective-bits budget, exported and judged by the same gate on the exported checkpoint:
    - at the winner's AutoQuantize bits;
    - its cheapest passing budget, by bisection on its budget between uniform INT4 and uniform FP8 to --resolution
@@ -40,7 +43,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/searchbench_runs")
     ap.add_argument("--max-windows", type=int, default=64)
     ap.add_argument("--resolution", type=float, default=0.25, help="bisection resolution, AutoQuantize bits")
-    ap.add_argument("--block-sizes", default="[32]", help="search.int4_block_sizes")
+    ap.add_argument("--block-sizes", default="[]", help="search.int4_block_sizes")
+    ap.add_argument("--sensitivity", default="autoquantize", help="search.sensitivity (autoquantize | measured)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import logging
@@ -62,7 +66,8 @@ def main() -> None:
               f"calib.path={data_dir / 'wiki.valid.raw'}", "calib.num_samples=16", "calib.seq_len=256",
               "calib.batch_size=16", f"eval.path={data_dir / 'wiki.test.raw'}", "eval.seq_len=512",
               f"eval.max_windows={args.max_windows}"]
-    overrides = ["+search=cheapest", *common, f"search.int4_block_sizes={args.block_sizes}"]
+    overrides = ["+search=cheapest", *common, f"search.int4_block_sizes={args.block_sizes}",
+                 f"search.sensitivity={args.sensitivity}"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "search"
@@ -73,8 +78,10 @@ def main() -> None:
     doc = json.loads((run_dir / "search.json").read_text())
     print(f"search: exit {result.exit_code} in {search_s:.0f} s, {doc['evaluations_used']} evaluations", flush=True)
 
-    # ---- AutoQuantize's own picks, same calibrated model, same gate
-    cfg = api.config(overrides)
+    # ---- AutoQuantize's own picks, same calibration data, same gate: AutoQuantize over its own formats (INT4-AWQ at
+    # the model's block, FP8, none), the search's sensitivity artifact when the search used the same formats
+    aq_overrides = ["+search=cheapest", *common, "search.int4_block_sizes=[]", "search.sensitivity=autoquantize"]
+    cfg = api.config(aq_overrides)
     ctx = context(cfg)
     r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
     choices = search.choices_for(cfg, quantized_in_dims(r.value("prepare")))

@@ -155,10 +155,11 @@ class SearchConfig:
     thresholds are the gate's base thresholds for every candidate (gate.per_precision does not apply: one bar)."""
 
     formats: List[str] = field(default_factory=lambda: ["int4_awq", "fp8", "none"])  # per-layer choices
-    int4_block_sizes: List[int] = field(default_factory=lambda: [32])  # more group sizes for int4 layers (auto's too)
+    int4_block_sizes: List[int] = field(default_factory=list)  # more group sizes for int4 layers, e.g. [32]
     kv_cache: List[str] = field(default_factory=lambda: ["none"])  # KV formats tried on the winner (none | fp8)
     cost: str = "bits"  # bits: stored bits per weight, scales included | aq_bits: AutoQuantize's count (no scales)
     max_evaluations: int = 6  # full gate evaluations of exported checkpoints, uniform comparisons included
+    sensitivity: str = "autoquantize"  # autoquantize: gradient scores | measured: one forward per group and format
     score_samples: Optional[int] = None  # calibration windows scored for sensitivity (null: all of calib)
     resolution_bits: float = 0.05  # stop when the cheapest pass and the dearest fail are this close
 

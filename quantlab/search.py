@@ -2,11 +2,14 @@
 
 1. Sensitivity. ModelOpt's AutoQuantize (gradient method) calibrates every allowed per-layer format once on the
    run's calibration set and scores each (layer group, format): the Fisher/Taylor estimate of the loss increase
-   when that group alone takes that format. quantlab keeps the scores (search artifact, JSON) and the calibrated
+   when that group alone takes that format. search.sensitivity=measured replaces the scores by the measured NLL
+   increase of each group alone (bench/RESULTS.md: the gradient scores predict combinations better; they are the
+   default). quantlab keeps the scores (search artifact, JSON) and the calibrated
    model (in memory; a later process that needs a new export calibrates again, deterministically).
 2. Frontier. Per group, the lower convex hull of (cost, score) over its formats; all upgrades of all groups sorted
-   by score saved per bit added. Prefix k of that list is candidate k: from every group at its cheapest format
-   (k = 0) to every group unquantized. Predicted score and cost are known for each k without evaluating anything.
+   by score saved per bit added to the model (the group's weights times the bits per weight). Prefix k of that
+   list is candidate k: from every group at its cheapest format (k = 0) to every group unquantized. Predicted
+   score and cost are known for each k without evaluating anything.
 3. Verification. A candidate is exported (ModelOpt's unified HF checkpoint, MIXED_PRECISION when formats differ)
    and evaluated like any run: `engine.checkpoint=EXPORT`, the run's engine, data and sequential gate (base
    thresholds for every candidate: one quality bar). The next candidate is placed by interpolating the gate's
@@ -110,6 +113,9 @@ def check_search_config(cfg: Config) -> None:
                             fix="set search.max_evaluations >= 1 (default 6)")
     if not (s.resolution_bits > 0):
         raise QuantlabError(f"search.resolution_bits={s.resolution_bits} must be > 0", fix="e.g. 0.05")
+    if s.sensitivity not in ("autoquantize", "measured"):
+        raise QuantlabError(f"search.sensitivity={s.sensitivity!r} is not a sensitivity",
+                            fix="use autoquantize (gradient scores) or measured (a forward pass per group and format)")
     if s.score_samples is not None and s.score_samples < 1:
         raise QuantlabError(f"search.score_samples={s.score_samples} must be >= 1 (null: every calibration window)",
                             fix="drop it or give a positive count")
@@ -224,7 +230,9 @@ def totals(groups: list[Group], choices: dict[str, Choice], assignment: dict[str
 
 def frontier(groups: list[Group], choices: dict[str, Choice], cost: str, fixed_params: int) -> list[Candidate]:
     """Candidates 0..K: every group at its cheapest format, then one hull upgrade at a time, the upgrades that save
-    the most predicted loss per bit first."""
+    the most predicted loss per bit of the model first (an upgrade costs the group's weights times the bits it adds
+    to each). Each candidate minimizes score + lambda * cost for some lambda, so no configuration of the same or
+    lower cost predicts less loss (tests/test_search.py checks it against brute force)."""
     moves, start = [], {}
     for gi, g in enumerate(groups):
         pts = sorted(((choices[c].cost(cost), g.scores[c], c) for c in g.scores), key=lambda p: (p[0], p[1]))
@@ -242,7 +250,7 @@ def frontier(groups: list[Group], choices: dict[str, Choice], cost: str, fixed_p
             hull.append(p)
         start[g.leader] = hull[0][2]
         for (c1, s1, _), (c2, s2, name) in zip(hull, hull[1:], strict=False):
-            moves.append(((s1 - s2) / (c2 - c1), -gi, g.leader, name))
+            moves.append(((s1 - s2) / ((c2 - c1) * g.params), -gi, g.leader, name))  # per bit of the model
     moves.sort(key=lambda m: (-m[0], -m[1]))
     chain, current = [], dict(start)
     for k in range(len(moves) + 1):
@@ -306,6 +314,7 @@ class Sensitivity:
         s = self.cfg.search
         return self.ctx.store.key("search", model=self.r.fingerprint("prepare"), calib=self.r.fingerprint("data:calib"),
                                   choices=[c.name for c in self.choices], score_samples=s.score_samples,
+                                  sensitivity=s.sensitivity,
                                   batch_size=self.cfg.calib.batch_size, device=self.ctx.device.type,
                                   dtype=str(self.ctx.dtype), versions=versions(), version=SEARCH_VERSION)
 
@@ -392,10 +401,56 @@ class Sensitivity:
                 scores[name] = float(score)
                 self.recipes[name] = recipe
             groups.append({"leader": leader, "modules": members, "params": params, "scores": scores})
-        return {"groups": groups, "fixed_params": fixed, "fixed_modules": fixed_modules,
-                "seconds": round(time.time() - start, 1),
-                "score_windows": min(n_score, calib.num_windows), "score_batches": score_batches,
-                "calib_windows": calib.num_windows, "seq_len": calib.seq_len, "method": "gradient"}
+        doc = {"groups": groups, "fixed_params": fixed, "fixed_modules": fixed_modules,
+               "score_windows": min(n_score, calib.num_windows), "score_batches": score_batches,
+               "calib_windows": calib.num_windows, "seq_len": calib.seq_len, "method": "gradient"}
+        if self.cfg.search.sensitivity == "measured":
+            doc.update(self._measure(groups, batches[:score_batches]))
+        doc["seconds"] = round(time.time() - start, 1)
+        return doc
+
+    def _measure(self, groups: list[dict], batches) -> dict:
+        """search.sensitivity=measured: each group alone at each format (every other group unquantized) on the
+        scoring windows, the increase of mean NLL over the unquantized model, measured on AutoQuantize's calibrated
+        fake-quant model: what the ppl-ratio check sees, without the Taylor approximation, at one forward pass per
+        (group, format). The gradient scores are kept beside it (autoquantize_scores) with their rank correlation."""
+        import torch
+        from modelopt.torch.opt.utils import get_hparam
+        from scipy import stats as sps
+
+        model = self.model
+
+        @torch.no_grad()
+        def nll() -> float:
+            total, count = 0.0, 0
+            for b in batches:
+                logits = model(b, use_cache=False).logits[:, :-1].float()
+                total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                                 b[:, 1:].reshape(-1), reduction="sum"))
+                count += b[:, 1:].numel()
+            return total / count
+
+        start = time.time()
+        for g in groups:
+            get_hparam(model, g["leader"]).active = self.recipes["none"]  # AutoQuantize always offers NONE
+        ref = nll()
+        names = [n for n in self.recipes if n != "none"]
+        log.info("search: measuring %d layer groups x %d formats (one forward pass of the scoring windows each)",
+                 len(groups), len(names))
+        for g in groups:
+            hp = get_hparam(model, g["leader"])
+            off = hp.active
+            g["autoquantize_scores"] = dict(g["scores"])
+            for name in names:
+                hp.active = self.recipes[name]
+                g["scores"][name] = nll() - ref
+            hp.active = off
+        rho = {n: float(sps.spearmanr([g["autoquantize_scores"][n] for g in groups],
+                                      [g["scores"][n] for g in groups])[0]) for n in names}
+        log.info("search: measured sensitivity in %.0f s; Spearman rank correlation with AutoQuantize's scores: %s",
+                 time.time() - start, ", ".join(f"{n} {r:.2f}" for n, r in rho.items()))
+        return {"method": "measured", "measure_seconds": round(time.time() - start, 1),
+                "spearman_vs_autoquantize": rho}
 
     def autoquantize_pick(self, effective_bits: float) -> dict[str, str]:
         """AutoQuantize's own choice at an effective-bits budget (its LP over its scores and costs), as an
@@ -822,7 +877,8 @@ def _document(cfg, thresholds, choices, groups, fixed_params, scores_doc, chain,
         "cost": cfg.search.cost, "thresholds": thresholds,
         "design": dataclasses.asdict(cfg.gate.statistical),
         "choices": [{"name": c.name, "bits": c.bits(), "aq_bits": c.aq_bits()} for c in choices],
-        "sensitivity": {k: scores_doc[k] for k in ("method", "seconds", "score_windows", "seq_len", "calib_windows")},
+        "sensitivity": {k: scores_doc[k] for k in ("method", "seconds", "score_windows", "seq_len", "calib_windows",
+                                                   "measure_seconds", "spearman_vs_autoquantize") if k in scores_doc},
         "groups": len(groups), "fixed_params": fixed_params,
         "frontier": [{"k": c.k, "bits": round(c.bits, 4), "aq_bits": round(c.aq_bits, 4), "predicted": c.predicted}
                      for c in chain],

@@ -49,6 +49,31 @@ def test_frontier_is_monotone_and_skips_dominated_formats():
     assert u.k is None and u.bits == pytest.approx((600 * 8 + 50 * 16) / 650)
 
 
+def test_every_frontier_candidate_is_the_best_assignment_at_its_cost():
+    """Against brute force over every assignment: no configuration that costs no more than a frontier candidate
+    predicts less loss (each candidate minimizes score + lambda * cost for some lambda, so this holds exactly). An
+    upgrade order that ignored how many weights a group has would buy expensive groups too early and fail here."""
+    import itertools
+
+    from quantlab.search import Choice, Group, frontier, totals
+
+    choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
+    sizes = [50, 800, 120, 400, 60]
+    scores = [(3.0, 1.0), (4.0, 0.6), (0.9, 0.5), (2.5, 0.4), (0.2, 0.05)]  # (int4, fp8); none = 0
+    groups = [Group(f"g{i}.quant_recipe", [f"g{i}"], n, {"int4_awq@64": a, "fp8": b, "none": 0.0})
+              for i, (n, (a, b)) in enumerate(zip(sizes, scores, strict=True))]
+    for cost in ("bits", "aq_bits"):
+        chain = frontier(groups, choices, cost, fixed_params=30)
+        every = []
+        for combo in itertools.product(choices, repeat=len(groups)):
+            bits, aq, pred = totals(groups, choices, {g.leader: c for g, c in zip(groups, combo, strict=True)}, 30)
+            every.append((bits if cost == "bits" else aq, pred))
+        for cand in chain:
+            c = cand.bits if cost == "bits" else cand.aq_bits
+            best = min(p for b, p in every if b <= c + 1e-9)
+            assert cand.predicted == pytest.approx(best), (cost, cand.label)
+
+
 def test_next_k_interpolates_inside_the_bracket():
     from quantlab import search
     from quantlab.search import next_k
@@ -77,6 +102,7 @@ def test_next_k_interpolates_inside_the_bracket():
     (["search.formats=[none]"], "allows no quantized format"),
     (["search.formats=[int8_sq,none]"], "cannot be searched per layer"),
     (["search.kv_cache=[]"], "search.kv_cache is empty"),
+    (["search.sensitivity=hessian"], "is not a sensitivity"),
     (["search.max_evaluations=0"], "leaves nothing to evaluate"),
     (["gate.thresholds.ppl_ratio.max=0.9"], "cannot be passed even by the unquantized"),
     (["search.int4_block_sizes=[48]"], "does not divide"),
@@ -214,3 +240,43 @@ def test_moe_model_is_refused_with_the_alternative(family_model, tmp_path):
     res = run_cli([*SEARCH, f"model.path={family_model('mixtral')}"], cwd=tmp_path, cache=tmp_path / "cache",
                   timeout=300)
     assert res.returncode == 2 and "Mixture-of-Experts" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_measured_sensitivity_is_the_nll_increase_of_each_group_alone(tiny_llama, tmp_path):
+    """search.sensitivity=measured: every group's score is the measured increase of mean NLL with that group alone at
+    the format; recomputed here for one group through ModelOpt directly, on the same calibrated model state the
+    search used (same process: quantlab.api)."""
+    from quantlab import api, search
+    from quantlab.graph import Executor
+    from quantlab.models import quantized_in_dims
+    from quantlab.pipeline import context
+    from quantlab.stages import data, prepare
+
+    overrides = [*SEARCH, f"model.path={tiny_llama}", f"cache_dir={tmp_path / 'cache'}", "search.sensitivity=measured",
+                 "search.formats=[int4_awq,fp8,none]", "search.int4_block_sizes=[]"]
+    cfg = api.config(overrides)
+    ctx = context(cfg)
+    r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
+    sens = search.Sensitivity(cfg, ctx, r, search.choices_for(cfg, quantized_in_dims(r.value("prepare"))))
+    groups, _, doc = sens.load()
+    assert doc["method"] == "measured"
+    assert set(doc["spearman_vs_autoquantize"]) == {n for n in groups[0].scores if n != "none"}
+    int4 = next(n for n in groups[0].scores if n.startswith("int4"))
+    assert sum(g.scores[int4] for g in groups) > sum(g.scores["fp8"] for g in groups) > 0
+    import torch
+    from modelopt.torch.opt.utils import get_hparam
+
+    model, g = sens.model, max(groups, key=lambda g: g.scores[int4])
+    for other in groups:
+        get_hparam(model, other.leader).active = sens.recipes["none"]
+
+    def nll():  # mean over every scored token, written independently of quantlab.search
+        with torch.no_grad():
+            parts = [torch.nn.functional.cross_entropy(model(b, use_cache=False).logits[:, :-1].float().flatten(0, 1),
+                                                       b[:, 1:].flatten(), reduction="none")
+                     for b in sens.batches[:doc["score_batches"]]]
+        return float(torch.cat(parts).mean())
+
+    ref = nll()
+    get_hparam(model, g.leader).active = sens.recipes[int4]
+    assert nll() - ref == pytest.approx(g.scores[int4], rel=1e-3, abs=1e-6)
