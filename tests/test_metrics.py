@@ -194,3 +194,17 @@ def test_registry_directions():
 def test_first_divergence():
     assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) == 3
     assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+
+
+def test_power_warning_only_for_undecided_checks():
+    """'Even a perfect candidate would often fail' is advice for a check left undecided at the cap; a check decided
+    FAIL (the regression was seen) or PASS gets no such warning."""
+    from quantlab.stages.gate import Check, power_warnings
+
+    def check(verdict):
+        return Check("top1_agreement >= 0.9", "threshold", "top1_agreement", 0.5, 0.9, ">=", verdict == "pass",
+                     -0.4, verdict, [0.3, 0.7], 0.95, 0.2, "share", 8)
+
+    assert power_warnings([check("undecided")], {}) and "Raise eval.max_windows" in power_warnings(
+        [check("undecided")], {})[0]
+    assert power_warnings([check("fail")], {}) == [] and power_warnings([check("pass")], {}) == []

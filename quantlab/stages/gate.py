@@ -274,7 +274,8 @@ def finish(checks: list[Check], at_cap: bool) -> list[Check]:
 
 
 def power_warnings(checks: list[Check], thresholds: dict[str, Threshold]) -> list[str]:
-    """Checks whose design cannot tell even an ideal candidate from one on the threshold at the windows used."""
+    """Undecided checks whose design could not tell even an ideal candidate from one on the threshold at the windows
+    used (a check decided either way needs no such warning: the verdict was seen)."""
     out = []
     for c in checks:
         spec = metrics.METRICS[c.metric]
@@ -282,7 +283,7 @@ def power_warnings(checks: list[Check], thresholds: dict[str, Threshold]) -> lis
             continue
         ideal, bound = spec.ideal, c.threshold
         distance = abs(math.log(bound) - math.log(ideal)) if spec.log_scale else abs(bound - ideal)
-        if c.mde > distance and not c.passed:
+        if c.mde > distance and c.verdict == "undecided":  # a decided FAIL needed no more power to be seen
             out.append(f"{c.name}: with {c.n} windows the smallest detectable distance from the threshold is "
                        f"{c.mde:.3g} {c.mde_unit}, more than the distance from the ideal value to the threshold "
                        f"({distance:.3g}): even a perfect candidate would often fail. Raise eval.max_windows or use "
