@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw"))
     ap.add_argument("--cache", default="/tmp/ttv_cache")
     ap.add_argument("--out", default="/tmp/ttv_runs")
+    ap.add_argument("--runs", default="fp8:none,fp8:fp8,int8_sq:none,int8_sq:fp8,int4_awq:none,int4_awq:fp8",
+                    help="precision:kv pairs to run; rows already in OUT/rows.jsonl are kept (a sweep can resume)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import warnings
@@ -46,47 +48,57 @@ def main() -> None:
     from quantlab import api
     from quantlab.stats import z
 
-    rows = []
-    for precision in ("fp8", "int8_sq", "int4_awq"):
-        for kv in ("none", "fp8"):
-            run_dir = Path(args.out) / f"{precision}_{kv}"
-            t0 = time.time()
-            res = api.run([f"+precision={precision}", f"kv_cache={kv}", f"cache_dir={args.cache}",
-                           f"eval.path={Path(args.data) / 'wiki.test.raw'}"], run_dir)
-            wall = time.time() - t0
-            doc = res.doc
-            design = doc["gate"]["design"]
-            used, cap = design["windows_used"], design["cap"]
-            z_final = design["boundaries_z"][-1]
-            z_a, z_b = z(1 - design["alpha"]), z(1 - design["beta"])
-            n_fixed = cap * ((z_a + z_b) / (z_final + z_b)) ** 2
-            w = doc["windows"]
-            n = used
-            ref, cand = np.array(w["nll_reference"][:n]), np.array(w["nll_candidate"][:n])
-            d = cand - ref
-            tq = sps.t.ppf(0.975, n - 1)
-            paired = 2 * tq * d.std(ddof=1) / math.sqrt(n)
-            welch_se = math.sqrt(ref.var(ddof=1) / n + cand.var(ddof=1) / n)
-            unpaired = 2 * sps.t.ppf(0.975, 2 * n - 2) * welch_se
-            mean_d = d.mean()
-            ppl_paired = math.exp(mean_d + paired / 2) - math.exp(mean_d - paired / 2)
-            ppl_unpaired = math.exp(mean_d + unpaired / 2) - math.exp(mean_d - unpaired / 2)
-            agree = np.array(w["top1_agreement"][:n])
-            npred = np.array(w["n_pred"][:n])
-            clustered = 2 * tq * agree.std(ddof=1) / math.sqrt(n)
-            p = float((agree * npred).sum() / npred.sum())
-            tokens = float(npred.sum())
-            zz = 1.959964
-            denom = 1 + zz * zz / tokens
-            wilson = 2 * zz * math.sqrt(p * (1 - p) / tokens + zz * zz / (4 * tokens * tokens)) / denom
-            row = {"run": f"{precision} kv={kv}", "exit": res.exit_code, "verdict": "PASS" if res.passed else "FAIL",
-                   "windows_used": used, "cap": cap, "n_fixed_same_mde": round(n_fixed, 1),
-                   "ratio_fixed_over_sequential": round(n_fixed / used, 2), "wall_s": round(wall, 1),
-                   "ppl_ratio": doc["metrics"]["ppl_ratio"]["value"], "ppl_ci_width_paired": ppl_paired,
-                   "ppl_ci_width_unpaired": ppl_unpaired, "top1": doc["metrics"]["top1_agreement"]["value"],
-                   "top1_ci_width_clustered": clustered, "top1_ci_width_token_wilson": wilson}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    ledger = Path(args.out) / "rows.jsonl"
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if ledger.is_file():
+        for line in ledger.read_text().splitlines():
+            done[json.loads(line)["run"]] = json.loads(line)
+    for pair in args.runs.split(","):
+        precision, kv = pair.split(":")
+        if f"{precision} kv={kv}" in done:
+            continue
+        run_dir = Path(args.out) / f"{precision}_{kv}"
+        t0 = time.time()
+        res = api.run([f"+precision={precision}", f"kv_cache={kv}", f"cache_dir={args.cache}",
+                       f"eval.path={Path(args.data) / 'wiki.test.raw'}"], run_dir)
+        wall = time.time() - t0
+        doc = res.doc
+        design = doc["gate"]["design"]
+        used, cap = design["windows_used"], design["cap"]
+        z_final = design["boundaries_z"][-1]
+        z_a, z_b = z(1 - design["alpha"]), z(1 - design["beta"])
+        n_fixed = cap * ((z_a + z_b) / (z_final + z_b)) ** 2
+        w = doc["windows"]
+        n = used
+        ref, cand = np.array(w["nll_reference"][:n]), np.array(w["nll_candidate"][:n])
+        d = cand - ref
+        tq = sps.t.ppf(0.975, n - 1)
+        paired = 2 * tq * d.std(ddof=1) / math.sqrt(n)
+        welch_se = math.sqrt(ref.var(ddof=1) / n + cand.var(ddof=1) / n)
+        unpaired = 2 * sps.t.ppf(0.975, 2 * n - 2) * welch_se
+        mean_d = d.mean()
+        ppl_paired = math.exp(mean_d + paired / 2) - math.exp(mean_d - paired / 2)
+        ppl_unpaired = math.exp(mean_d + unpaired / 2) - math.exp(mean_d - unpaired / 2)
+        agree = np.array(w["top1_agreement"][:n])
+        npred = np.array(w["n_pred"][:n]) if isinstance(w["n_pred"], list) else np.full(n, w["n_pred"])
+        clustered = 2 * tq * agree.std(ddof=1) / math.sqrt(n)
+        p = float((agree * npred).sum() / npred.sum())
+        tokens = float(npred.sum())
+        zz = 1.959964
+        denom = 1 + zz * zz / tokens
+        wilson = 2 * zz * math.sqrt(p * (1 - p) / tokens + zz * zz / (4 * tokens * tokens)) / denom
+        row = {"run": f"{precision} kv={kv}", "exit": res.exit_code, "verdict": "PASS" if res.passed else "FAIL",
+               "windows_used": used, "cap": cap, "n_fixed_same_mde": round(n_fixed, 1),
+               "ratio_fixed_over_sequential": round(n_fixed / used, 2), "wall_s": round(wall, 1),
+               "ppl_ratio": doc["metrics"]["ppl_ratio"]["value"], "ppl_ci_width_paired": ppl_paired,
+               "ppl_ci_width_unpaired": ppl_unpaired, "top1": doc["metrics"]["top1_agreement"]["value"],
+               "top1_ci_width_clustered": clustered, "top1_ci_width_token_wilson": wilson}
+        done[row["run"]] = row
+        with ledger.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    rows = list(done.values())
     ratios = [r["ratio_fixed_over_sequential"] for r in rows]
     lines = ["| run | verdict | windows used / cap | fixed-n, same MDE | fixed / sequential | ppl ratio | ppl CI width "
              "paired / unpaired | top-1 | top-1 CI width clustered / token-level | wall s |",

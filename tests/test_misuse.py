@@ -328,7 +328,10 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny_llama, tmp_path):
     slow = ["calib.num_samples=24", "calib.seq_len=128", "calib.batch_size=1"]
     proc = subprocess.Popen([sys.executable, "-m", "quantlab", "+precision=int4_awq", f"model.path={tiny_llama}",
                              *[a for a in FAST if not a.startswith("calib.")], *slow], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # a terminal's Ctrl-C: a test run started in the background (nohup, `&`) would
+                            # otherwise pass on an ignored SIGINT, which Python then keeps ignoring
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline, lines = time.time() + 300, []
     for line in proc.stdout:
         lines.append(line)
