@@ -81,15 +81,10 @@ def main() -> None:
         for g in groups:
             get_hparam(model, g.leader).active = sens.recipes[assignment[g.leader]]
 
-    @torch.no_grad()
+    batches = torch.split(tokens, 4)  # a batch per forward (one window at a time is launch-bound on a GPU)
+
     def mean_nll() -> float:
-        total, count = 0.0, 0
-        for rows in torch.split(tokens, 4):  # a batch per forward (one window at a time is launch-bound on a GPU)
-            logits = model(rows, use_cache=False).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
-                                                    reduction="sum")
-            total, count = total + float(nll), count + rows[:, 1:].numel()
-        return total / count
+        return search.mean_nll(model, batches)
 
     none = {g.leader: "none" for g in groups}
     t1 = time.time()

@@ -414,26 +414,14 @@ class Sensitivity:
         scoring windows, the increase of mean NLL over the unquantized model, measured on AutoQuantize's calibrated
         fake-quant model: what the ppl-ratio check sees, without the Taylor approximation, at one forward pass per
         (group, format). The gradient scores are kept beside it (autoquantize_scores) with their rank correlation."""
-        import torch
         from modelopt.torch.opt.utils import get_hparam
         from scipy import stats as sps
 
         model = self.model
-
-        @torch.no_grad()
-        def nll() -> float:
-            total, count = 0.0, 0
-            for b in batches:
-                logits = model(b, use_cache=False).logits[:, :-1].float()
-                total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                                 b[:, 1:].reshape(-1), reduction="sum"))
-                count += b[:, 1:].numel()
-            return total / count
-
         start = time.time()
         for g in groups:
             get_hparam(model, g["leader"]).active = self.recipes["none"]  # AutoQuantize always offers NONE
-        ref = nll()
+        ref = mean_nll(model, batches)
         names = [n for n in self.recipes if n != "none"]
         log.info("search: measuring %d layer groups x %d formats (one forward pass of the scoring windows each)",
                  len(groups), len(names))
@@ -443,7 +431,7 @@ class Sensitivity:
             g["autoquantize_scores"] = dict(g["scores"])
             for name in names:
                 hp.active = self.recipes[name]
-                g["scores"][name] = nll() - ref
+                g["scores"][name] = mean_nll(model, batches) - ref
             hp.active = off
         rho = {n: float(sps.spearmanr([g["autoquantize_scores"][n] for g in groups],
                                       [g["scores"][n] for g in groups])[0]) for n in names}
@@ -579,6 +567,20 @@ class Sensitivity:
                                f"floor under rounding-sized noise: {floor_agree:.4f}, {floor_rel:.2e})")
         log.info("export check %s: top-1 agreement %.4f, relative logit error %.1e (floor %.4f, %.1e)", out.name,
                  agree, rel, floor_agree, floor_rel)
+
+
+def mean_nll(model, batches) -> float:
+    """Mean next-token NLL of a causal LM over token batches [B, T] (every predicted position weighs the same)."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            logits = model(b, use_cache=False).logits[:, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                             b[:, 1:].reshape(-1), reduction="sum"))
+            count += b[:, 1:].numel()
+    return total / count
 
 
 def _agreement(a, b) -> tuple[float, float]:

@@ -190,12 +190,10 @@ class Design:
 
     def t_boundary(self, look: int, n: int) -> float:
         """The z boundary as a t quantile with n - 1 degrees of freedom (same tail probability)."""
-        from scipy import stats
-
         c = self.z_boundary(look)
         if not math.isfinite(c):
             return math.inf
-        return float(stats.t.isf(_phi(-c), max(n - 1, 1)))
+        return _t_isf(_phi(-c), max(n - 1, 1))
 
     def t_beta(self, n: int, c: float | None = None) -> float:
         """Standard errors beyond the boundary c that a true effect must lie for power 1 - beta with n windows:
