@@ -313,7 +313,8 @@ class SharedActivation:
         self._held = None  # (activation, key, quantized, takers left)
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version)
+        # tensors made under torch.inference_mode keep no version counter (and cannot be changed in place outside it)
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), -1 if x.is_inference() else x._version)
         if self._held is None or self._held[1] != key:
             self._held = [x, key, fp8_quantize(x, self.inv_scale), self.siblings]
         xq = self._held[2]
