@@ -158,10 +158,15 @@ class SearchConfig:
     int4_block_sizes: List[int] = field(default_factory=list)  # more group sizes for int4 layers, e.g. [32]
     kv_cache: List[str] = field(default_factory=lambda: ["none"])  # KV formats tried on the winner (none | fp8)
     cost: str = "bits"  # bits: stored bits per weight, scales included | aq_bits: AutoQuantize's count (no scales)
+    # | latency: measured engine=torch latency of a prefill (quantlab.latency)
     max_evaluations: int = 6  # full gate evaluations of exported checkpoints, uniform comparisons included
     sensitivity: str = "autoquantize"  # autoquantize: gradient scores | measured: one forward per group and format
     score_samples: Optional[int] = None  # calibration windows scored for sensitivity (null: all of calib)
     resolution_bits: float = 0.05  # stop when the cheapest pass and the dearest fail are this close
+    latency_batch: int = 1  # cost=latency: sequences per timed forward pass
+    latency_tokens: Optional[int] = None  # cost=latency: tokens per sequence (null: eval.seq_len)
+    latency_repeats: int = 10  # cost=latency: timed passes per configuration (the median counts)
+    min_speedup: float = 0.02  # cost=latency: a format must beat the unquantized model by this share to count
 
 
 # ----------------------------------------------------------------------------------------------- root

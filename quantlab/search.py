@@ -26,7 +26,11 @@ Costs (SearchConfig.cost) are bits per weight over the linear layers AutoQuantiz
 4 + scale bits/block; FP8 8 plus per-tensor scales; unquantized 16, the deployment dtype; per-input-channel AWQ
 pre-quant scales and per-tensor scales are left out of the prediction and measured on the export, search.json's
 stored_bits_measured: under 1% more on the test model); `aq_bits` counts as
-AutoQuantize does (4 for any int4 group size, NVFP4 4.5, FP8 8, none 16).
+AutoQuantize does (4 for any int4 group size, NVFP4 4.5, FP8 8, none 16); `latency` is measured engine=torch
+latency of a prefill on this device (quantlab.latency: the unquantized model and each uniform format are timed, a
+format's cost per weight is its uniform latency change spread over the searched weights; every evaluated candidate
+is timed too and the winner is the fastest measured that passes and beats the unquantized model by
+search.min_speedup; the resolution stop still counts stored bits).
 """
 from __future__ import annotations
 
@@ -106,8 +110,18 @@ def check_search_config(cfg: Config) -> None:
     if [f for f in s.formats if f != "none"] == []:
         raise QuantlabError("search.formats allows no quantized format (only none)",
                             fix="add a format, e.g. search.formats=[int4_awq,fp8,none]")
-    if s.cost not in ("bits", "aq_bits"):
-        raise QuantlabError(f"search.cost={s.cost!r} is not a cost", fix="use bits or aq_bits")
+    if s.cost not in ("bits", "aq_bits", "latency"):
+        raise QuantlabError(f"search.cost={s.cost!r} is not a cost", fix="use bits, aq_bits or latency")
+    if s.latency_batch < 1:
+        raise QuantlabError(f"search.latency_batch={s.latency_batch} must be >= 1", fix="e.g. 1")
+    if s.latency_tokens is not None and s.latency_tokens < 1:
+        raise QuantlabError(f"search.latency_tokens={s.latency_tokens} must be >= 1 (null: eval.seq_len)",
+                            fix="drop it or give a positive count")
+    if s.latency_repeats < 3:
+        raise QuantlabError(f"search.latency_repeats={s.latency_repeats} is too few for a median and its spread",
+                            fix="set search.latency_repeats >= 3 (default 10)")
+    if not (0.0 <= s.min_speedup < 1.0):
+        raise QuantlabError(f"search.min_speedup={s.min_speedup} must be in [0, 1)", fix="e.g. 0.02 (2%)")
     if s.max_evaluations < 1:
         raise QuantlabError(f"search.max_evaluations={s.max_evaluations} leaves nothing to evaluate",
                             fix="set search.max_evaluations >= 1 (default 6)")
@@ -218,6 +232,7 @@ class Candidate:
     aq_bits: float
     predicted: float  # sum of the groups' scores
     k: int | None = None  # position on the frontier (None: a uniform comparison off it)
+    latency_ms: float | None = None  # predicted engine latency (search.cost=latency only)
 
 
 def totals(groups: list[Group], choices: dict[str, Choice], assignment: dict[str, str], fixed_params: int) -> tuple:
@@ -228,14 +243,39 @@ def totals(groups: list[Group], choices: dict[str, Choice], assignment: dict[str
     return bits, aq, sum(g.scores[assignment[g.leader]] for g in groups)
 
 
-def frontier(groups: list[Group], choices: dict[str, Choice], cost: str, fixed_params: int) -> list[Candidate]:
+@dataclass
+class LatencyModel:
+    """search.cost=latency: the measured unquantized and uniform latencies and the cost per weight of each format
+    derived from them (quantlab.latency)."""
+    none_ms: float
+    per_weight: dict[str, float]  # choice name -> ms per weight relative to none (0 for none)
+    measured: dict[str, dict]  # "none" and each uniform format -> time_forward's result
+    not_faster: list[str]  # formats not min_speedup faster than none when applied everywhere (cost clamped >= 0)
+
+    def predict(self, groups: list[Group], assignment: dict[str, str]) -> float:
+        """The unquantized latency plus each group's weights times its format's cost per weight."""
+        return self.none_ms + sum(g.params * self.per_weight[assignment[g.leader]] for g in groups)
+
+
+def unit_costs(choices: dict[str, Choice], cost: str, latency: LatencyModel | None) -> dict[str, float]:
+    """Cost per weight of every choice in the unit of search.cost."""
+    if cost == "latency":
+        if latency is None:
+            raise ValueError("search.cost=latency needs the measured latency model")
+        return dict(latency.per_weight)
+    return {name: c.cost(cost) for name, c in choices.items()}
+
+
+def frontier(groups: list[Group], choices: dict[str, Choice], cost: str, fixed_params: int,
+             latency: LatencyModel | None = None) -> list[Candidate]:
     """Candidates 0..K: every group at its cheapest format, then one hull upgrade at a time, the upgrades that save
     the most predicted loss per bit of the model first (an upgrade costs the group's weights times the bits it adds
     to each). Each candidate minimizes score + lambda * cost for some lambda, so no configuration of the same or
     lower cost predicts less loss (tests/test_search.py checks it against brute force)."""
     moves, start = [], {}
+    unit = unit_costs(choices, cost, latency)
     for gi, g in enumerate(groups):
-        pts = sorted(((choices[c].cost(cost), g.scores[c], c) for c in g.scores), key=lambda p: (p[0], p[1]))
+        pts = sorted(((unit[c], g.scores[c], c) for c in g.scores), key=lambda p: (p[0], p[1]))
         hull: list[tuple] = []
         for p in pts:
             if hull and p[1] >= hull[-1][1]:
@@ -258,15 +298,18 @@ def frontier(groups: list[Group], choices: dict[str, Choice], cost: str, fixed_p
             _, _, leader, name = moves[k - 1]
             current[leader] = name
         b, aq, pred = totals(groups, choices, current, fixed_params)
-        chain.append(Candidate(f"k{k}", dict(current), b, aq, pred, k))
+        ms = latency.predict(groups, current) if latency else None
+        chain.append(Candidate(f"k{k}", dict(current), b, aq, pred, k, ms))
     return chain
 
 
-def uniform(groups: list[Group], choices: dict[str, Choice], name: str, fixed_params: int) -> Candidate:
+def uniform(groups: list[Group], choices: dict[str, Choice], name: str, fixed_params: int,
+            latency: LatencyModel | None = None) -> Candidate:
     """Every group at one format (a uniform configuration, off the frontier, for comparison)."""
     assignment = {g.leader: name for g in groups}
     b, aq, pred = totals(groups, choices, assignment, fixed_params)
-    return Candidate(f"uniform {name}", assignment, b, aq, pred)
+    return Candidate(f"uniform {name}", assignment, b, aq, pred, None,
+                     latency.predict(groups, assignment) if latency else None)
 
 
 def next_k(chain: list[Candidate], evaluated: list[tuple[Candidate, dict]], lo: int, hi: int, target: float) -> int:
@@ -609,6 +652,7 @@ class Evaluation:
     run_dir: str
     exit_code: int
     doc: dict = field(repr=False)
+    latency: dict | None = None  # measured engine latency (search.cost=latency)
 
     @property
     def passed(self) -> bool:
@@ -625,11 +669,15 @@ class Evaluation:
                 "aq_bits": round(self.candidate.aq_bits, 4), "predicted_score": self.candidate.predicted,
                 "stored_bits_measured": self.doc.get("search_stored_bits"),
                 "formats": counts, "verdict": "PASS" if self.passed else "FAIL", "slack": round(slack(self.doc), 4),
-                "metrics": {k: {"value": m[k]["value"], "ci": m[k].get("ci95")} for k in
-                            ("top1_agreement", "ppl_ratio", "kl_mean") if k in m},
-                "failed": [c["name"] for c in self.doc["gate"]["checks"] if not c["passed"]],
+                "metrics": {k: {"value": m[k]["value"], "ci": m[k].get("ci95")} if k in m else
+                            {"value": None, "ci": None} for k in ("top1_agreement", "ppl_ratio", "kl_mean")},
+                "failed": [c["name"] for c in self.doc["gate"]["checks"] if not c["passed"]] +
+                          [f"audit {e}" for e in self.doc.get("audit_errors", [])],
                 "windows": run["eval"]["windows"], "tokens": run["eval"]["tokens"], "run_dir": self.run_dir,
-                "export": self.export, "exit_code": self.exit_code}
+                "export": self.export, "exit_code": self.exit_code,
+                "latency_ms_predicted": self.candidate.latency_ms,
+                "latency_ms": self.latency["ms"] if self.latency else None,
+                "latency_iqr_ms": self.latency["iqr_ms"] if self.latency else None}
 
 
 def stored_bits(ckpt: Path, groups: list[Group], fixed_modules: list[str], fixed_params: int = 0) -> float:
@@ -686,6 +734,12 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
                             fix="use engine=torch (the default) or engine=trtllm, without engine.checkpoint")
     if cfg.stop_after:
         raise QuantlabError("stop_after does not apply to +search", fix="drop stop_after")
+    if cfg.search.cost == "latency":
+        from quantlab.engines.registry import engine_of
+
+        if engine_of(cfg.engine).name != "torch":
+            raise QuantlabError(f"search.cost=latency times engine=torch; this search runs engine="
+                                f"{engine_of(cfg.engine).name}", fix="use engine=torch, or search.cost=bits")
     if cfg.gate.baseline:
         raise QuantlabError("gate.baseline does not apply to +search (a regression check needs one configuration)",
                             fix="run the winner with gate.baseline=... afterwards")
@@ -702,6 +756,11 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
         raise QuantlabError(f"{ref.name} is a Mixture-of-Experts model ({family.name}); the search supports dense "
                             "models (per-expert formats are not verified end to end)",
                             fix="run uniform precisions on this model: -m +precision=fp8,int4_awq")
+    if cfg.search.cost == "latency":
+        tokens, limit = cfg.search.latency_tokens or cfg.eval.seq_len, ref.config.get("max_position_embeddings")
+        if limit and tokens > limit:
+            raise QuantlabError(f"search.latency_tokens={tokens} exceeds {ref.name}'s {limit} positions",
+                                fix=f"set search.latency_tokens <= {limit}")
     choices = choices_for(cfg, quantized_in_dims(ref))
     for c in choices:
         if c.precision:
@@ -714,34 +773,54 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
     sens = Sensitivity(cfg, ctx, r, choices)
     groups, fixed_params, scores_doc = sens.load()
     by_name = {c.name: c for c in choices}
-    chain = frontier(groups, by_name, cfg.search.cost, fixed_params)
-    log.info("search: %d layer groups, %d frontier candidates from %.2f to %.2f %s", len(groups), len(chain),
-             chain[0].bits if cfg.search.cost == "bits" else chain[0].aq_bits,
-             chain[-1].bits if cfg.search.cost == "bits" else chain[-1].aq_bits, cfg.search.cost)
     kv_order = list(dict.fromkeys(cfg.search.kv_cache))
     base_kv = kv_order[0]
     fixed_modules = scores_doc["fixed_modules"]
+    kind = cfg.search.cost
+    timings: dict[str, dict] = {}  # export path -> measured latency (cost=latency)
+    latency = None
+    if kind == "latency":
+        latency = latency_profile(cfg, ctx, sens, groups, fixed_modules, by_name, fixed_params, ref, base_kv, timings)
+    chain = frontier(groups, by_name, kind, fixed_params, latency)
 
+    def cost_of(c: Candidate) -> float:
+        return {"bits": c.bits, "aq_bits": c.aq_bits, "latency": c.latency_ms}[kind]
+
+    def span(a: Candidate, b: Candidate) -> float:
+        """Stored bits between two candidates for the resolution stop (also under cost=latency)."""
+        return abs(cost_of(a) - cost_of(b)) if kind != "latency" else abs(a.bits - b.bits)
+
+    log.info("search: %d layer groups, %d frontier candidates from %.2f to %.2f %s", len(groups), len(chain),
+             cost_of(chain[0]), cost_of(chain[-1]), "ms (predicted)" if kind == "latency" else kind)
     evaluations: list[Evaluation] = []
     budget = cfg.search.max_evaluations
 
-    def cost_of(c: Candidate) -> float:
-        return c.bits if cfg.search.cost == "bits" else c.aq_bits
+    def measured_ms(e: Evaluation) -> float:
+        return e.latency["ms"] if e.latency else math.inf
 
     def evaluate(cand: Candidate, kv: str) -> Evaluation:
         ev = evaluate_candidate(cfg, ctx, sens, groups, fixed_modules, cand, kv, run_dir, argv)
+        if kind == "latency":
+            ev.latency = timings.get(ev.export) or measure_latency(cfg, ctx, Path(ev.export))
+            timings[ev.export] = ev.latency
         evaluations.append(ev)
-        log.info("search: %s: %.3f bits (%.3f AutoQuantize bits) -> %s (slack %.3f, %d windows)", ev.label,
-                 cand.bits, cand.aq_bits, "PASS" if ev.passed else "FAIL", slack(ev.doc),
+        lat = (f", {ev.latency['ms']:.1f} ms measured ({cand.latency_ms:.1f} predicted)" if ev.latency else "")
+        log.info("search: %s: %.3f bits (%.3f AutoQuantize bits)%s -> %s (slack %.3f, %d windows)", ev.label,
+                 cand.bits, cand.aq_bits, lat, "PASS" if ev.passed else "FAIL", slack(ev.doc),
                  ev.doc["run"]["eval"]["windows"])
         return ev
 
+    if len(chain) == 1:  # cost=latency: no allowed format is faster than the unquantized model on this device
+        return _finish(cfg, run_dir, snapshot, argv, start, thresholds, choices, groups, fixed_params, scores_doc,
+                       chain, evaluations, None, ref, False, latency)
     # 1. the cheapest candidate (every group at its cheapest format: uniform int4 at the model's block size)
     first = evaluate(chain[0], base_kv)
     lo, hi = (-1, 0) if first.passed else (0, len(chain) - 1)
     # 2. uniform FP8, the usual safe choice, for comparison (and a point to interpolate from)
-    if not first.passed and "fp8" in by_name and len(evaluations) < budget:
-        evaluate(uniform(groups, by_name, "fp8", fixed_params), base_kv)
+    fp8 = uniform(groups, by_name, "fp8", fixed_params, latency) if "fp8" in by_name else None
+    if not first.passed and fp8 is not None and fp8.assignment != first.candidate.assignment and \
+            len(evaluations) < budget:
+        evaluate(fp8, base_kv)
     # 3. the frontier between the dearest fail and the cheapest pass
     top_known = False  # whether the last quantized frontier candidate was evaluated
     reserve = min(len(kv_order) - 1, max(budget - 2, 0))  # evaluations kept for the KV formats tried last
@@ -756,7 +835,7 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
         if best_pass is not None and best_pass.candidate.k is None:
             hi = min(hi, next((i for i, c in enumerate(chain) if cost_of(c) >= cost_of(best_pass.candidate)),
                               len(chain)))
-        if hi - lo <= 1 or (hi < len(chain) and cost_of(chain[hi]) - cost_of(chain[lo]) <= cfg.search.resolution_bits):
+        if hi - lo <= 1 or (hi < len(chain) and span(chain[hi], chain[lo]) <= cfg.search.resolution_bits):
             break
         k = next_k(chain, [(e.candidate, e.doc) for e in evaluations], lo, hi, 0.0)
         if best_pass is not None and cost_of(chain[k]) >= cost_of(best_pass.candidate):
@@ -768,32 +847,60 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
         if top_known and not evaluations[-1].passed:
             break
     passing = [e for e in evaluations if e.passed]
-    winner = min(passing, key=lambda e: (cost_of(e.candidate), -slack(e.doc)), default=None)
-    # 4. cheaper KV formats on the winner
+    if kind == "latency":  # the fastest measured; a configuration not measured faster than unquantized is no win
+        passing = [e for e in passing if measured_ms(e) <= (1.0 - cfg.search.min_speedup) * latency.none_ms]
+        winner = min(passing, key=lambda e: (measured_ms(e), -slack(e.doc)), default=None)
+    else:
+        winner = min(passing, key=lambda e: (cost_of(e.candidate), -slack(e.doc)), default=None)
+    # 4. cheaper KV formats on the winner (under cost=latency only if measured faster too)
     if winner is not None:
         for kv in kv_order[1:]:
             if len(evaluations) >= budget:
                 break
             ev = evaluate(winner.candidate, kv)
-            if ev.passed and kv == "fp8":
+            if ev.passed and kv == "fp8" and (kind != "latency" or measured_ms(ev) < measured_ms(winner)):
                 winner = ev
+    return _finish(cfg, run_dir, snapshot, argv, start, thresholds, choices, groups, fixed_params, scores_doc, chain,
+                   evaluations, winner, ref, top_known, latency)
+
+
+def _finish(cfg, run_dir, snapshot, argv, start, thresholds, choices, groups, fixed_params, scores_doc, chain,
+            evaluations, winner, ref, top_known, latency) -> int:
+    """search.json, the reports, the winner link, run.json and the final line; the exit code."""
     doc = _document(cfg, thresholds, choices, groups, fixed_params, scores_doc, chain, evaluations, winner, ref,
-                    time.time() - start, argv, top_known)
+                    time.time() - start, argv, top_known, latency)
     _write_reports(run_dir, doc, chain, evaluations, winner, groups, cfg)
     if winner is not None:
         from quantlab.pipeline import _link
 
         _link(run_dir / "winner", Path(winner.export))
-        what = (f"search: cheapest passing configuration {winner.label}: {winner.candidate.bits:.2f} bits per weight "
-                f"({winner.candidate.aq_bits:.2f} as AutoQuantize counts), ppl ratio "
+        lat = ""
+        if winner.latency and latency:
+            lat = (f", {winner.latency['ms']:.1f} ms per forward pass measured "
+                   f"({winner.latency['ms'] / latency.none_ms:.2f}x the unquantized {latency.none_ms:.1f} ms)")
+        what = (f"search: {'fastest' if latency else 'cheapest'} passing configuration {winner.label}: "
+                f"{winner.candidate.bits:.2f} bits per weight "
+                f"({winner.candidate.aq_bits:.2f} as AutoQuantize counts){lat}, ppl ratio "
                 f"{winner.doc['metrics']['ppl_ratio']['value']:.3f}, "
                 f"top-1 {winner.doc['metrics']['top1_agreement']['value']:.3f}"
                 f", {len(evaluations)} evaluations -> {run_dir / 'winner'}")
         code = EXIT_OK
+    elif latency is not None and len(chain) == 1:
+        what = (f"search: no allowed format is faster than the unquantized model in engine=torch on this device "
+                f"(unquantized {latency.none_ms:.1f} ms; " +
+                ", ".join(f"uniform {n} {m['ms']:.1f} ms" for n, m in latency.measured.items() if n != "none") +
+                f"; min_speedup {cfg.search.min_speedup:.0%}), so no quantization is cheaper in latency "
+                f"(evidence in {run_dir / 'report.md'})")
+        code = EXIT_GATE_FAILED
+    elif latency is not None and any(e.passed for e in evaluations):
+        what = (f"search: the configurations that pass the gate are not measured faster than the unquantized model "
+                f"({latency.none_ms:.1f} ms) by search.min_speedup={cfg.search.min_speedup:.0%} "
+                f"(evidence in {run_dir / 'report.md'})")
+        code = EXIT_GATE_FAILED
     else:
         what = ("search: no quantization passes the gate: " + ("even the least quantized configuration fails"
                 if top_known else f"none of the {len(evaluations)} evaluated configurations passes") +
-                f" (evidence in {run_dir / 'search.md'})")
+                f" (evidence in {run_dir / 'report.md'})")
         code = EXIT_GATE_FAILED
     record = {"argv": argv, "config": snapshot, "versions": versions(), "exit_code": code,
               "wall_time_s": round(time.time() - start, 1), "search": {"evaluations": len(evaluations)}}
@@ -802,20 +909,57 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
     return code
 
 
-def evaluate_candidate(cfg: Config, ctx, sens: Sensitivity, groups: list[Group], fixed_modules: list[str],
-                       cand: Candidate, kv: str, run_dir: Path, argv: list[str]) -> Evaluation:
-    """Export a candidate (a cached artifact keyed by the sensitivity, the assignment and the KV format) and
-    evaluate the checkpoint like any run, into run_dir/evals/<label>."""
+def export_candidate(ctx, sens: Sensitivity, groups: list[Group], cand: Candidate, kv: str) -> Path:
+    """A candidate's export: a cached artifact keyed by the sensitivity, the assignment and the KV format."""
     assignment = {g.leader: cand.assignment[g.leader] for g in groups}
     digest = hashlib.sha256(json.dumps([assignment, kv], sort_keys=True).encode()).hexdigest()[:16]
     key = ctx.store.key("export", search=sens.key(), assignment=digest, kv=kv, version=SEARCH_VERSION)
     art, _ = ctx.store.get_or_build("export", key, lambda out: Built(sens.export(cand, kv, out, groups)),
                                     {"search": sens.key(), "label": cand.label}, describe=f"export {cand.label}")
+    return art.path
+
+
+def evaluate_candidate(cfg: Config, ctx, sens: Sensitivity, groups: list[Group], fixed_modules: list[str],
+                       cand: Candidate, kv: str, run_dir: Path, argv: list[str]) -> Evaluation:
+    """Export a candidate (export_candidate) and evaluate the checkpoint like any run, into run_dir/evals/<label>."""
+    path = export_candidate(ctx, sens, groups, cand, kv)
     label = cand.label + ("" if kv == "none" else f" kv={kv}")
     sub = run_dir / "evals" / _slug(label)
-    code, doc = _evaluate_export(cfg, art.path, kv, sub, argv)
-    doc["search_stored_bits"] = round(stored_bits(art.path, groups, fixed_modules, sens.fixed_params), 4)
-    return Evaluation(label, cand, kv, str(art.path), str(sub), code, doc)
+    code, doc = _evaluate_export(cfg, path, kv, sub, argv)
+    doc["search_stored_bits"] = round(stored_bits(path, groups, fixed_modules, sens.fixed_params), 4)
+    return Evaluation(label, cand, kv, str(path), str(sub), code, doc)
+
+
+def measure_latency(cfg: Config, ctx, path: Path | None, ref=None) -> dict:
+    """search.cost=latency: an export's latency in engine=torch, or (path None) the unquantized model's."""
+    from quantlab import latency as lt
+
+    s = cfg.search
+    args = (ctx.device, ctx.dtype, s.latency_batch, s.latency_tokens or cfg.eval.seq_len, s.latency_repeats,
+            cfg.model.device_map)
+    return lt.measure_reference(ref, *args) if path is None else lt.measure_export(path, *args)
+
+
+def latency_profile(cfg: Config, ctx, sens: Sensitivity, groups: list[Group], fixed_modules: list[str],
+                    by_name: dict[str, Choice], fixed_params: int, ref, kv: str,
+                    timings: dict[str, dict]) -> LatencyModel:
+    """The unquantized model and every uniform format (exported; the exports are the search's own cached
+    artifacts) timed in engine=torch; each format's cost per weight from them (quantlab.latency)."""
+    from quantlab.latency import per_weight_costs
+
+    measured = {"none": measure_latency(cfg, ctx, None, ref)}
+    for name in by_name:
+        if name == "none":
+            continue
+        path = export_candidate(ctx, sens, groups, uniform(groups, by_name, name, fixed_params), kv)
+        measured[name] = timings[str(path)] = measure_latency(cfg, ctx, path)
+    none_ms = measured["none"]["ms"]
+    per_weight, slow = per_weight_costs(none_ms, {n: m["ms"] for n, m in measured.items() if n != "none"},
+                                        sum(g.params for g in groups), cfg.search.min_speedup)
+    log.info("search: latency of a %d x %d prefill in engine=torch: %s", cfg.search.latency_batch,
+             cfg.search.latency_tokens or cfg.eval.seq_len,
+             ", ".join(f"{n} {m['ms']:.1f} ms" for n, m in measured.items()))
+    return LatencyModel(none_ms, per_weight, measured, slow)
 
 
 def _slug(label: str) -> str:
@@ -832,14 +976,28 @@ def _evaluate_export(cfg: Config, path: Path, kv: str, run_dir: Path, argv: list
 
     quant = read_quant_config(path, required=True)
     precision = precision_by_algo(quant.quant_algo)
+    evaluation = cfg.eval if generations_gated(cfg) else dataclasses.replace(cfg.eval, gen_prompts=0)
     sub = dataclasses.replace(cfg, precision=PRECISION_SCHEMAS[precision.name](),
                               kv_cache=KvCacheConfig(kv), engine=dataclasses.replace(cfg.engine, checkpoint=str(path)),
-                              gate=dataclasses.replace(cfg.gate, per_precision={}), search=None)
+                              gate=dataclasses.replace(cfg.gate, per_precision={}), search=None, eval=evaluation)
     code = run_pipeline(sub, run_dir.resolve(), asdict(sub), reproduce_argv(argv, path))
-    metrics = run_dir / "metrics.json"
+    metrics, audit = run_dir / "metrics.json", run_dir / "audit.json"
+    if not metrics.is_file() and audit.is_file():  # the audit stopped the run: a broken export fails, unevaluated
+        report = json.loads(audit.read_text())
+        errors = [f for f in report.get("findings", []) if f.get("severity") == "error"]
+        return code, {"gate": {"passed": False, "checks": []}, "metrics": {},
+                      "run": {"eval": {"windows": 0, "tokens": 0}},
+                      "audit_errors": [f"[{f['check']}] {f['message']}" for f in errors]}
     if not metrics.is_file():
         raise RuntimeError(f"the evaluation of {path} left no metrics.json (exit {code})")
     return code, json.loads(metrics.read_text())
+
+
+def generations_gated(cfg: Config) -> bool:
+    """Whether a gate threshold uses the greedy generations. When none does, candidates are evaluated without them
+    (the verdict does not depend on them; on a CPU they cost ~20 s per evaluation); the winner's reproduce command
+    runs them."""
+    return any(name.startswith("gen_") for name in cfg.gate.thresholds)
 
 
 def reproduce_argv(argv: list[str], checkpoint: Path) -> list[str]:
@@ -871,7 +1029,7 @@ def _layer_map(groups: list[Group], assignment: dict[str, str]) -> dict:
 
 
 def _document(cfg, thresholds, choices, groups, fixed_params, scores_doc, chain, evaluations, winner, ref, seconds,
-              argv, top_known) -> dict:
+              argv, top_known, latency: LatencyModel | None = None) -> dict:
     by_name = {c.name: c for c in choices}
     rows = [e.row(by_name) for e in evaluations]
     return {
@@ -882,9 +1040,15 @@ def _document(cfg, thresholds, choices, groups, fixed_params, scores_doc, chain,
         "sensitivity": {k: scores_doc[k] for k in ("method", "seconds", "score_windows", "seq_len", "calib_windows",
                                                    "measure_seconds", "spearman_vs_autoquantize") if k in scores_doc},
         "groups": len(groups), "fixed_params": fixed_params,
-        "frontier": [{"k": c.k, "bits": round(c.bits, 4), "aq_bits": round(c.aq_bits, 4), "predicted": c.predicted}
-                     for c in chain],
+        "frontier": [{"k": c.k, "bits": round(c.bits, 4), "aq_bits": round(c.aq_bits, 4), "predicted": c.predicted,
+                      "latency_ms": c.latency_ms} for c in chain],
+        "latency": None if latency is None else {
+            "batch": cfg.search.latency_batch, "tokens": cfg.search.latency_tokens or cfg.eval.seq_len,
+            "repeats": cfg.search.latency_repeats, "min_speedup": cfg.search.min_speedup,
+            "unquantized_ms": latency.none_ms, "measured": latency.measured,
+            "per_weight_ms": latency.per_weight, "not_faster": latency.not_faster},
         "evaluations": rows, "evaluations_used": len(evaluations), "max_evaluations": cfg.search.max_evaluations,
+        "generations": generations_gated(cfg) and cfg.eval.gen_prompts > 0,
         "tokens_used": sum(r["tokens"] for r in rows),
         "winner": None if winner is None else {
             **winner.row(by_name), "layer_map": _layer_map(groups, winner.candidate.assignment),

@@ -3,6 +3,7 @@ the torch engine, all through the CLI in a subprocess; plus the frontier's algeb
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -74,6 +75,42 @@ def test_every_frontier_candidate_is_the_best_assignment_at_its_cost():
             assert cand.predicted == pytest.approx(best), (cost, cand.label)
 
 
+def test_latency_frontier_is_the_best_assignment_at_its_predicted_latency():
+    """search.cost=latency: costs per weight from measured uniform latencies (negative: faster than unquantized); a
+    format slower than unquantized, or faster by less than min_speedup, is never chosen; every candidate is the
+    least-loss assignment at its predicted latency (brute force)."""
+    import itertools
+
+    from quantlab.latency import per_weight_costs
+    from quantlab.search import Choice, Group, LatencyModel, frontier
+
+    choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
+    sizes = [50, 800, 120, 400, 60]
+    scores = [(3.0, 1.0), (4.0, 0.6), (0.9, 0.5), (2.5, 0.4), (0.2, 0.05)]
+    groups = [Group(f"g{i}.quant_recipe", [f"g{i}"], n, {"int4_awq@64": a, "fp8": b, "none": 0.0})
+              for i, (n, (a, b)) in enumerate(zip(sizes, scores, strict=True))]
+    weights = sum(sizes)
+    per_weight, slow = per_weight_costs(100.0, {"int4_awq@64": 101.0, "fp8": 70.0}, weights, 0.02)
+    assert slow == ["int4_awq@64"] and per_weight["fp8"] == pytest.approx(-30.0 / weights)
+    lat = LatencyModel(100.0, per_weight, {}, slow)
+    chain = frontier(groups, choices, "latency", 30, lat)
+    assert all(v == "fp8" for v in chain[0].assignment.values()) and chain[0].latency_ms == pytest.approx(70.0)
+    assert all(v == "none" for v in chain[-1].assignment.values()) and chain[-1].latency_ms == pytest.approx(100.0)
+    assert not any("int4_awq@64" in c.assignment.values() for c in chain)
+    every = [(lat.predict(groups, a), sum(g.scores[a[g.leader]] for g in groups))
+             for a in ({g.leader: c for g, c in zip(groups, combo, strict=True)}
+                       for combo in itertools.product(choices, repeat=len(groups)))]
+    for a, b in zip(chain, chain[1:], strict=False):
+        assert b.latency_ms > a.latency_ms and b.predicted < a.predicted
+    for cand in chain:
+        assert cand.predicted == pytest.approx(min(p for ms, p in every if ms <= cand.latency_ms + 1e-9))
+    # 1% faster is inside min_speedup (2%): not faster, so the frontier is the unquantized model alone
+    per_weight, slow = per_weight_costs(100.0, {"int4_awq@64": 120.0, "fp8": 99.0}, weights, 0.02)
+    assert sorted(slow) == ["fp8", "int4_awq@64"]
+    chain = frontier(groups, choices, "latency", 30, LatencyModel(100.0, per_weight, {}, slow))
+    assert len(chain) == 1 and set(chain[0].assignment.values()) == {"none"}
+
+
 def test_next_k_interpolates_inside_the_bracket():
     from quantlab import search
     from quantlab.search import next_k
@@ -107,6 +144,7 @@ def test_next_k_interpolates_inside_the_bracket():
     (["gate.thresholds.ppl_ratio.max=0.9"], "cannot be passed even by the unquantized"),
     (["search.int4_block_sizes=[48]"], "does not divide"),
     (["engine=fakequant"], "evaluates what it exports"),
+    (["search.cost=latency", "search.latency_tokens=4096"], "exceeds"),
 ])
 def test_bad_search_input_exits_2_before_calibration(tiny_llama, tmp_path, extra, needle):
     cache = tmp_path / "cache"
@@ -114,6 +152,26 @@ def test_bad_search_input_exits_2_before_calibration(tiny_llama, tmp_path, extra
     assert res.returncode == 2, res.stderr[-2000:]
     assert needle in res.stderr and "Traceback" not in res.stderr
     assert not (cache / "search").exists(), "refused input must not calibrate"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["search.cost=speed"], "is not a cost"),
+    (["search.cost=latency", "search.latency_repeats=2"], "too few"),
+    (["search.cost=latency", "search.min_speedup=1.5"], "must be in [0, 1)"),
+    (["search.cost=latency", "search.min_speedup=-0.1"], "must be in [0, 1)"),
+    (["search.cost=latency", "search.latency_batch=0"], "latency_batch=0 must be >= 1"),
+    (["search.cost=latency", "search.latency_tokens=0"], "latency_tokens=0 must be >= 1"),
+])
+def test_bad_search_options_are_named_before_the_model_is_read(extra, needle):
+    """The option checks the CLI runs first (exit 2 as in the subprocess cases above), on the composed config."""
+    from conftest import compose
+
+    from quantlab import search
+    from quantlab.errors import QuantlabError
+
+    with pytest.raises(QuantlabError, match=re.escape(needle)) as err:
+        search.check_search_config(compose([*SEARCH, *extra])[0])
+    assert err.value.fix
 
 
 def test_plan_with_search_is_refused(tiny_llama, tmp_path):
@@ -146,6 +204,7 @@ def test_search_end_to_end(searched):
         sub = read_json(Path(r["run_dir"]) / "metrics.json")
         assert sub["run"]["engine"] == "torch"
         assert r["verdict"] == ("PASS" if sub["gate"]["passed"] else "FAIL")
+        assert "gen_exact_match" not in sub["metrics"]  # no gate threshold uses generations: candidates skip them
         assert r["metrics"]["top1_agreement"]["value"] == sub["metrics"]["top1_agreement"]["value"]
         # the cost stated is the cost stored (scales at the 16-bit deployment dtype), less the per-channel tensors it
         # leaves out (AWQ pre-quant scales not folded into a norm, per-tensor input scales): under 1% here
@@ -178,8 +237,41 @@ def test_winner_reproduces_alone(searched):
     res = run_cli([*cmd[3:], "hydra.run.dir=outputs/again"], cwd=searched["root"], cache=searched["cache"])
     assert res.returncode == 0, res.stderr[-3000:]
     again = read_json(searched["root"] / "outputs" / "again" / "metrics.json")
-    assert again["gate"]["passed"]
+    assert again["gate"]["passed"] and "gen_exact_match" in again["metrics"]  # the full report, generations included
     assert again["metrics"]["top1_agreement"]["value"] == doc["winner"]["metrics"]["top1_agreement"]["value"]
+
+
+def test_an_export_the_audit_stops_is_a_failed_candidate(searched, tmp_path):
+    """A candidate export the audit refuses (here one weight scale made negative on a copy of a real export) is a
+    FAIL with the audit's finding as its reason, not a crash of the search; its row has no metrics."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantlab import api, search
+
+    rows = read_json(searched["run"] / "search.json")["evaluations"]
+    bad = tmp_path / "bad"
+    shutil.copytree(Path(rows[0]["export"]), bad)
+    for f in bad.glob("*.safetensors"):
+        tensors = load_file(f)
+        name = next((k for k in tensors if k.endswith(".weight_scale")), None)
+        if name:
+            tensors[name] = -tensors[name].abs() - 1.0
+            save_file(tensors, f, metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail("the export has no weight_scale tensor")
+    cfg = api.config([a for a in searched["args"] if not a.startswith("hydra.")] +
+                     [f"cache_dir={searched['cache']}"])
+    code, doc = search._evaluate_export(cfg, bad, "none", tmp_path / "eval", [])
+    assert code == 1 and not doc["gate"]["passed"] and doc["audit_errors"]
+    assert not (tmp_path / "eval" / "metrics.json").exists()
+    ev = search.Evaluation("broken", search.Candidate("broken", {}, 4.5, 4.0, 1.0), "none", str(bad),
+                           str(tmp_path / "eval"), code, doc)
+    row = ev.row({})
+    assert row["verdict"] == "FAIL" and row["failed"][0].startswith("audit [") and row["windows"] == 0
+    assert row["metrics"]["ppl_ratio"] == {"value": None, "ci": None} and search.slack(doc) == -1.0
 
 
 def test_rerun_and_stricter_gate_reuse_every_artifact(searched):
@@ -234,6 +326,29 @@ def test_gate_only_the_unquantized_model_passes_exits_1_with_evidence(tiny_llama
     assert len(doc["evaluations"]) == 2 and all(r["verdict"] == "FAIL" for r in doc["evaluations"])
     assert not (run / "winner").exists()
     assert "No quantization passes" in (run / "report.md").read_text()
+
+
+def test_latency_cost_measures_every_format_and_says_when_none_is_faster(tiny_llama, tmp_path):
+    """search.cost=latency on this CPU: the unquantized model and each uniform format are exported and timed in
+    engine=torch before any evaluation; with min_speedup 50% no format here is fast enough (FP8 is emulated on a
+    CPU, int4 is dequantized at load), so the search exits 1 saying so, with the measurements, and evaluates
+    nothing. The verdict is recomputed from the reported latencies."""
+    res = run_cli([*SEARCH, f"model.path={tiny_llama}", "search.cost=latency", "search.min_speedup=0.5",
+                   "search.latency_repeats=3", "search.latency_tokens=32"], cwd=tmp_path, cache=tmp_path / "cache",
+                  timeout=900)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "no allowed format is faster than the unquantized model" in res.stdout
+    run = next((tmp_path / "outputs").rglob("search.json")).parent
+    doc = read_json(run / "search.json")
+    lat = doc["latency"]
+    assert set(lat["measured"]) == {"none", "fp8", *(c["name"] for c in doc["choices"] if c["name"].startswith("int4"))}
+    assert all(m["ms"] > 0 and m["repeats"] == 3 and m["tokens"] == 32 for m in lat["measured"].values())
+    none = lat["unquantized_ms"]
+    assert all(m["ms"] > 0.5 * none for n, m in lat["measured"].items() if n != "none")
+    assert sorted(lat["not_faster"]) == sorted(n for n in lat["measured"] if n != "none")
+    assert doc["evaluations"] == [] and doc["winner"] is None and len(doc["frontier"]) == 1
+    assert "No allowed format is faster" in (run / "report.md").read_text()
+    assert (run / "report.html").is_file() and not (run / "winner").exists()
 
 
 def test_moe_model_is_refused_with_the_alternative(family_model, tmp_path):

@@ -122,11 +122,14 @@ def pareto_front(points: list[tuple[float, float]]) -> set[int]:
 def search_frontier(doc: dict) -> str | None:
     """The search: the frontier's predicted loss against cost (line) and every evaluated configuration's ppl ratio
     with its interval, pass or fail (points), the ppl threshold and the winner."""
-    rows = [r for r in doc["evaluations"] if "ppl_ratio" in r["metrics"]]
+    rows = [r for r in doc["evaluations"] if (r["metrics"].get("ppl_ratio") or {}).get("value") is not None]
     if not rows:
         return None
     plt = _plt()
-    cost = doc["cost"]
+    cost = {"bits": "bits", "aq_bits": "aq_bits", "latency": "latency_ms"}[doc["cost"]]  # latency: measured ms
+    rows = [r for r in rows if r.get(cost) is not None]
+    if not rows:
+        return None
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for r in rows:
         m = r["metrics"]["ppl_ratio"]
@@ -139,7 +142,7 @@ def search_frontier(doc: dict) -> str | None:
     th = (doc["thresholds"].get("ppl_ratio") or {}).get("max")
     if th:
         ax.axhline(th, color="tab:gray", ls=":", label=f"ppl ratio threshold {th}")
-    front = doc["frontier"][:-1]
+    front = [f for f in doc["frontier"][:-1] if f.get(cost) is not None]
     if front:
         ax2 = ax.twinx()
         ax2.plot([f[cost] for f in front], [f["predicted"] for f in front], color="tab:blue", alpha=0.5,
@@ -148,8 +151,11 @@ def search_frontier(doc: dict) -> str | None:
         ax2.legend(loc="upper center", fontsize=8)
     if doc.get("winner"):
         w = doc["winner"]
-        ax.axvline(w[cost], color="tab:green", ls="--", alpha=0.6, label=f"winner {w[cost]:.2f} bits")
-    ax.set_xlabel("bits per weight" + (" (stored, scales included)" if cost == "bits" else " (AutoQuantize count)"))
+        unit = "ms" if cost == "latency_ms" else "bits"
+        ax.axvline(w[cost], color="tab:green", ls="--", alpha=0.6, label=f"winner {w[cost]:.2f} {unit}")
+    ax.set_xlabel({"bits": "bits per weight (stored, scales included)",
+                   "aq_bits": "bits per weight (AutoQuantize count)",
+                   "latency_ms": "engine latency, ms (measured; frontier: predicted)"}[cost])
     ax.set_ylabel("perplexity ratio (95% interval)")
     ax.set_title("Search: evaluated configurations on the frontier")
     ax.legend(loc="upper right", fontsize=8)
