@@ -46,7 +46,7 @@ def main() -> None:
     from scipy import stats as sps
 
     from quantlab import api
-    from quantlab.stats import z
+    from quantlab.stats import wilson_interval, z
 
     ledger = Path(args.out) / "rows.jsonl"
     ledger.parent.mkdir(parents=True, exist_ok=True)
@@ -83,11 +83,8 @@ def main() -> None:
         agree = np.array(w["top1_agreement"][:n])
         npred = np.array(w["n_pred"][:n]) if isinstance(w["n_pred"], list) else np.full(n, w["n_pred"])
         clustered = 2 * tq * agree.std(ddof=1) / math.sqrt(n)
-        p = float((agree * npred).sum() / npred.sum())
-        tokens = float(npred.sum())
-        zz = 1.959964
-        denom = 1 + zz * zz / tokens
-        wilson = 2 * zz * math.sqrt(p * (1 - p) / tokens + zz * zz / (4 * tokens * tokens)) / denom
+        lo, hi = wilson_interval(float((agree * npred).sum()), int(npred.sum()))  # as if tokens were independent
+        wilson = hi - lo
         row = {"run": f"{precision} kv={kv}", "exit": res.exit_code, "verdict": "PASS" if res.passed else "FAIL",
                "windows_used": used, "cap": cap, "n_fixed_same_mde": round(n_fixed, 1),
                "ratio_fixed_over_sequential": round(n_fixed / used, 2), "wall_s": round(wall, 1),

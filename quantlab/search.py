@@ -983,11 +983,12 @@ def _evaluate_export(cfg: Config, path: Path, kv: str, run_dir: Path, argv: list
     code = run_pipeline(sub, run_dir.resolve(), asdict(sub), reproduce_argv(argv, path))
     metrics, audit = run_dir / "metrics.json", run_dir / "audit.json"
     if not metrics.is_file() and audit.is_file():  # the audit stopped the run: a broken export fails, unevaluated
-        report = json.loads(audit.read_text())
-        errors = [f for f in report.get("findings", []) if f.get("severity") == "error"]
+        from quantlab.audit import AuditReport
+
+        errors = AuditReport.from_dict(json.loads(audit.read_text())).errors
         return code, {"gate": {"passed": False, "checks": []}, "metrics": {},
                       "run": {"eval": {"windows": 0, "tokens": 0}},
-                      "audit_errors": [f"[{f['check']}] {f['message']}" for f in errors]}
+                      "audit_errors": [f"[{f.check}] {f.message}" for f in errors]}
     if not metrics.is_file():
         raise RuntimeError(f"the evaluation of {path} left no metrics.json (exit {code})")
     return code, json.loads(metrics.read_text())
