@@ -122,6 +122,15 @@ def check_search_config(cfg: Config) -> None:
                             fix="set search.latency_repeats >= 3 (default 10)")
     if not (0.0 <= s.min_speedup < 1.0):
         raise QuantlabError(f"search.min_speedup={s.min_speedup} must be in [0, 1)", fix="e.g. 0.02 (2%)")
+    if s.cost != "latency":
+        from quantlab.config import SearchConfig
+
+        default = SearchConfig()
+        unused = [f"search.{k}={getattr(s, k)}" for k in ("latency_batch", "latency_tokens", "latency_repeats",
+                                                          "min_speedup") if getattr(s, k) != getattr(default, k)]
+        if unused:
+            raise QuantlabError(f"{', '.join(unused)} only apply to search.cost=latency; this search minimizes "
+                                f"{s.cost}", fix="add search.cost=latency, or drop them")
     if s.max_evaluations < 1:
         raise QuantlabError(f"search.max_evaluations={s.max_evaluations} leaves nothing to evaluate",
                             fix="set search.max_evaluations >= 1 (default 6)")

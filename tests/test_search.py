@@ -161,6 +161,8 @@ def test_bad_search_input_exits_2_before_calibration(tiny_llama, tmp_path, extra
     (["search.cost=latency", "search.min_speedup=-0.1"], "must be in [0, 1)"),
     (["search.cost=latency", "search.latency_batch=0"], "latency_batch=0 must be >= 1"),
     (["search.cost=latency", "search.latency_tokens=0"], "latency_tokens=0 must be >= 1"),
+    (["search.latency_batch=8"], "only apply to search.cost=latency"),
+    (["search.cost=aq_bits", "search.min_speedup=0.1"], "only apply to search.cost=latency"),
 ])
 def test_bad_search_options_are_named_before_the_model_is_read(extra, needle):
     """The option checks the CLI runs first (exit 2 as in the subprocess cases above), on the composed config."""
