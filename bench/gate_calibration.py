@@ -6,7 +6,7 @@ agreement, KL; a percentile tested as an exceedance share), S simulated paired d
   must respect) and windows independent,
 - the true value exactly on the threshold (type-I error: the share of PASS must be alpha), or better than the
   threshold by the design's minimum detectable effect at the cap (power: the share of PASS must be >= 1 - beta).
-The decisions are made exactly as quantlab.stages.gate makes them (quantlab.stats.decide at each look, stop when
+The decisions are made exactly as quantlab.gate.checks makes them (quantlab.gate.stats.decide at each look, stop when
 decided, undecided at the cap = FAIL). A naive interval that treats tokens as independent is run beside it to show
 what ignoring the dependence costs. With --pool METRICS_JSON the window values are resampled from a real run
 instead (per-window dNLL / agreement / KL, shifted onto the threshold).
@@ -54,9 +54,9 @@ def chunked(gen, sims: int, chunk: int = 2000):
 
 
 def run_design(values: np.ndarray, threshold: float, higher_is_better: bool, design) -> dict:
-    """Vectorized sequential decisions over simulated datasets: quantlab.stats.interval at each look, the rule of
-    quantlab.stats.decide (which the gate calls for every window-mean check, exceedance shares included)."""
-    from quantlab import stats
+    """Vectorized sequential decisions over simulated datasets: quantlab.gate.stats.interval at each look, the rule of
+    quantlab.gate.stats.decide (which the gate calls for every window-mean check, exceedance shares included)."""
+    from quantlab.gate import stats
 
     sims = values.shape[0]
     verdict = np.zeros(sims, dtype=np.int8)  # 0 undecided, 1 pass, -1 fail
@@ -90,7 +90,7 @@ def mc_interval(p: float, sims: int) -> str:
 
 
 def main() -> None:
-    from quantlab import stats
+    from quantlab.gate import stats
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sims", type=int, default=10000)

@@ -114,7 +114,7 @@ def main() -> None:
         nll = load_file(str(art.path / evaluate.REF_FILE))["nll"].double()
 
         # where a difference comes from: both formulas on the same logits against float64
-        from quantlab import metrics
+        from quantlab.gate import metrics
 
         with torch.no_grad():
             first = probe.tokens[: args.batch]

@@ -46,7 +46,7 @@ def main() -> None:
     from scipy import stats as sps
 
     from quantlab import api
-    from quantlab.stats import wilson_interval, z
+    from quantlab.gate.stats import wilson_interval, z
 
     ledger = Path(args.out) / "rows.jsonl"
     ledger.parent.mkdir(parents=True, exist_ok=True)

@@ -978,7 +978,7 @@ class _Audit:
 
         from quantlab.engines.qlayers import QLAYERS
         from quantlab.engines.torch_engine import load_exported
-        from quantlab.metrics import compare_positions
+        from quantlab.gate.metrics import compare_positions
         from quantlab.models import load_model, load_tokenizer
 
         algos = self.quant.algos()

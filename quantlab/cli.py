@@ -20,7 +20,7 @@ from quantlab.compose import group_options, normalize, register_configs
 from quantlab.config import Config, conf_dir
 from quantlab.engines.registry import ENGINE_SCHEMAS
 from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, QuantlabError
-from quantlab.metrics import GATEABLE
+from quantlab.gate.metrics import GATEABLE
 from quantlab.precisions import PRECISION_SCHEMAS
 from quantlab.registry import did_you_mean
 from quantlab.report.sweep import STATUS, exit_codes

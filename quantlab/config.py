@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from omegaconf import MISSING
+
+from quantlab.gate.config import GateConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -112,39 +114,6 @@ class EngineConfig:
     max_input_len: Optional[int] = None  # null = the model's max positions
     max_seq_len: Optional[int] = None
     max_batch_size: int = 64
-
-
-# ----------------------------------------------------------------------------------------------- gate
-@dataclass
-class Threshold:
-    min: Optional[float] = None
-    max: Optional[float] = None
-    bucket: Optional[str] = None  # worst: every position bucket must pass (0-128, 128-512, 512-2k, ...); or one label
-
-
-@dataclass
-class StatisticalGate:
-    """The statistical design every threshold is tested with (quantlab.stats): one-sided alpha (passing a candidate
-    that sits on the threshold), beta (failing one better than it by the reported minimum detectable effect), and
-    the group-sequential looks: every `look_windows` windows up to the cap, Lan-DeMets alpha spending."""
-
-    alpha: float = 0.05
-    beta: float = 0.2
-    sequential: bool = True  # false: one look at the cap (a fixed-n design)
-    look_windows: int = 8
-    spending: str = "pocock"  # pocock | obf | hsd (Hwang-Shih-DeCani with gamma)
-    gamma: float = -2.0
-
-
-@dataclass
-class GateConfig:
-    # metric -> Threshold fields (min / max / bucket). Plain dicts so a threshold on a new metric can be added from
-    # the command line (++gate.thresholds.kl_p99.max=0.5); quantlab.stages.gate validates every key and value.
-    thresholds: Dict[str, Any] = field(default_factory=dict)
-    per_precision: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    statistical: StatisticalGate = field(default_factory=StatisticalGate)
-    baseline: Optional[str] = None  # metrics.json of an earlier release: regression check
-    baseline_alpha: float = 0.05
 
 
 # --------------------------------------------------------------------------------------------- search

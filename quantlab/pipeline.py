@@ -16,8 +16,9 @@ from quantlab.artifacts import ArtifactStore, write_json_atomic
 from quantlab.config import Config
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK
+from quantlab.gate import checks as gate_checks
 from quantlab.graph import Executor, steps_for, targets
-from quantlab.stages import evaluate, gate
+from quantlab.stages import evaluate
 from quantlab.step import RunContext
 
 log = logging.getLogger("quantlab")
@@ -88,7 +89,7 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
                   "device": ctx.device.describe(), "dtype": str(ctx.dtype).removeprefix("torch."), "config": snapshot,
                   "argv": argv}
     if cfg.gate.baseline:
-        gate.load_baseline(cfg.gate.baseline, provenance)  # refuse a mismatched baseline before any compute
+        gate_checks.load_baseline(cfg.gate.baseline, provenance)  # refuse a mismatched baseline before any compute
     if run.has("quantize"):
         from quantlab.stages.quantize import request
 
@@ -122,8 +123,8 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
     results = {name: run.value(f"evaluate:{name}") for name in ctx.candidates()}
     result = results[ctx.engine.name]
     attribution = evaluate.attribution(results, ctx.engine.name) if len(results) > 1 else None
-    thresholds = gate.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
-    verdict = gate.verdict(cfg.gate, thresholds, result.checks, result.design, result.look, result.windows,
+    thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
+    verdict = gate_checks.verdict(cfg.gate, thresholds, result.checks, result.design, result.look, result.windows,
                            result.metrics, provenance)
     used = result.design.looks[result.look]
     run_info = {"precision": ctx.precision.name, "kv_cache": cfg.kv_cache.dtype, "engine": ctx.engine.name,

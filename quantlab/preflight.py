@@ -94,7 +94,7 @@ def check_config(cfg: Config) -> None:
         raise QuantlabError("precision=mixed evaluates a checkpoint with per-layer formats; quantlab makes one only "
                             "through the search", fix="pass engine.checkpoint=DIR, or run python -m quantlab "
                                                       "+search=cheapest to find and export one")
-    from quantlab.stages.gate import check_gate
+    from quantlab.gate.checks import check_gate
 
     check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
     if cfg.stop_after is not None and cfg.stop_after not in STAGES:

@@ -51,7 +51,7 @@ from quantlab.artifacts import Built, write_json_atomic
 from quantlab.config import Config, KvCacheConfig
 from quantlab.env import versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK, QuantlabError
-from quantlab.metrics import METRICS
+from quantlab.gate.metrics import METRICS
 from quantlab.precisions import PRECISION_SCHEMAS, PRECISIONS, kv_format, precision_by_algo
 
 log = logging.getLogger("quantlab")
@@ -183,11 +183,11 @@ def choices_for(cfg: Config, in_dims: dict[str, int]) -> list[Choice]:
 def check_gate_feasible(cfg: Config) -> dict:
     """The gate every candidate is held to (base thresholds). A threshold the unquantized model itself cannot pass
     (its ideal value is on or beyond it) makes the search pointless: exit 2 before calibration."""
-    from quantlab.stages import gate
+    from quantlab.gate import checks as gate_checks
 
     one_bar = dataclasses.replace(cfg.gate, per_precision={})
-    gate.check_gate(one_bar, "mixed", cfg.eval)
-    thresholds = gate.thresholds_for(one_bar, "mixed", cfg.eval.seq_len)
+    gate_checks.check_gate(one_bar, "mixed", cfg.eval)
+    thresholds = gate_checks.thresholds_for(one_bar, "mixed", cfg.eval.seq_len)
     if not thresholds:
         raise QuantlabError("the gate has no thresholds: every configuration would pass, so nothing is searched",
                             fix="use gate=default or give gate.thresholds")

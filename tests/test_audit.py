@@ -439,7 +439,7 @@ def test_w4a8_engine_matches_modelopt_fakequant(exports, tiny_llama):
     from quantlab.config import ModelConfig
     from quantlab.engines.torch_engine import load_exported
     from quantlab.env import resolve_device
-    from quantlab.metrics import compare_positions
+    from quantlab.gate.metrics import compare_positions
     from quantlab.models import load_tokenizer
     from quantlab.stages.prepare import _local
     from quantlab.stages.quantize import restore

@@ -13,7 +13,7 @@ from quantlab.cli import check_argv
 from quantlab.compose import group_options
 from quantlab.engines.registry import ENGINE_SCHEMAS, ENGINES, engine_of
 from quantlab.errors import QuantlabError
-from quantlab.metrics import GATEABLE, METRICS
+from quantlab.gate.metrics import GATEABLE, METRICS
 from quantlab.precisions import KV_FORMATS, PRECISION_SCHEMAS, PRECISIONS, precision_of
 from quantlab.preflight import check_config
 

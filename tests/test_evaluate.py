@@ -11,8 +11,9 @@ from quantlab.artifacts import ArtifactStore
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
 from quantlab.env import resolve_device
+from quantlab.gate import checks as gate_checks
 from quantlab.models import load_model, load_tokenizer
-from quantlab.stages import data, evaluate, gate, prepare
+from quantlab.stages import data, evaluate, prepare
 
 
 def _setup(tiny_llama, cache, extra=()):
@@ -42,7 +43,7 @@ def test_reference_against_itself_is_perfect_and_passes(tiny_llama, tmp_path, sh
 
 
 def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
-    from quantlab import stats
+    from quantlab.gate import stats
 
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
     device = resolve_device("cpu")
@@ -55,7 +56,7 @@ def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
     w = evaluate.compare_engines(_engine(load_model(ref, device, torch.float32)), _engine(model), evalset.tokens,
                                  cfg.eval)
     design = stats.make_design(w.n, w.n, 0.05, 0.2)
-    checks = gate.evaluate_checks(gate.thresholds_for(cfg.gate, "fp8"), w, None, design, 0)
+    checks = gate_checks.evaluate_checks(gate_checks.thresholds_for(cfg.gate, "fp8"), w, None, design, 0)
     failed = {c.metric for c in checks if c.verdict == "fail"}
     assert {"top1_agreement", "ppl_ratio", "kl_mean"} <= failed
     assert all(c.ci and c.mde is not None for c in checks)
@@ -64,7 +65,7 @@ def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
 def test_perplexity_matches_direct_transformers(tiny_llama, shared_cache):
     from transformers import AutoModelForCausalLM
 
-    from quantlab import metrics
+    from quantlab.gate import metrics
 
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
     device = resolve_device("cpu")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantlab import metrics, stats
+from quantlab.gate import metrics, stats
 
 
 def _lp(logits):
@@ -199,7 +199,7 @@ def test_first_divergence():
 def test_power_warning_only_for_undecided_checks():
     """'Even a perfect candidate would often fail' is advice for a check left undecided at the cap; a check decided
     FAIL (the regression was seen) or PASS gets no such warning."""
-    from quantlab.stages.gate import Check, power_warnings
+    from quantlab.gate.checks import Check, power_warnings
 
     def check(verdict):
         return Check("top1_agreement >= 0.9", "threshold", "top1_agreement", 0.5, 0.9, ">=", verdict == "pass",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from quantlab.artifacts import write_json_atomic, write_text_atomic
-from quantlab.metrics import METRICS_SCHEMA, TABLE
+from quantlab.gate.metrics import METRICS_SCHEMA, TABLE
 
 TABLE_METRICS = tuple(TABLE)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from quantlab.artifacts import write_text_atomic
-from quantlab.metrics import METRICS
+from quantlab.gate.metrics import METRICS
 from quantlab.report.documents import TABLE_METRICS, fmt
 
 log = logging.getLogger("quantlab")

@@ -8,7 +8,7 @@ Windows are taken in blocks of gate.statistical.look_windows (one block per look
   recomputing the reference's logits from its hidden states and comparing them with the candidate's, a chunk of
   positions at a time (no [positions x vocabulary] tensor for a whole window is ever held). Cached per
   (candidate, reference, block), so a rerun, a stricter gate or a later search reads them back.
-- The evaluation step runs the looks: after each block the gate's checks are decided (quantlab.stages.gate) and it
+- The evaluation step runs the looks: after each block the gate's checks are decided (quantlab.gate.checks) and it
   stops once none is undecided, or at the cap.
 """
 from __future__ import annotations
@@ -21,13 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from quantlab import costs, metrics
+from quantlab import costs
 from quantlab.artifacts import ArtifactStore, Built
 from quantlab.config import EvalConfig
 from quantlab.engines.registry import ENGINES, EngineSpec
 from quantlab.env import versions
 from quantlab.errors import QuantlabError
-from quantlab.metrics import POSITION_FIELDS, Windows
+from quantlab.gate import metrics
+from quantlab.gate.metrics import POSITION_FIELDS, Windows
 from quantlab.stages.data import TokenSet
 from quantlab.step import RunContext, Step, limits_for
 
@@ -50,7 +51,7 @@ class EvalResult:
     generation: dict | None = None
     argmax: np.ndarray | None = field(default=None, repr=False)  # [windows, positions] candidate predictions
     per_window: Windows | None = field(default=None, repr=False)
-    checks: list = field(default_factory=list)  # gate.Check of the last look
+    checks: list = field(default_factory=list)  # gate.checks.Check of the last look
     look: int = 0
     design: object = None
     forward_batches: int = 0
@@ -368,24 +369,24 @@ def result_of(name: str, w: Windows, gen: dict | None) -> EvalResult:
 
 def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tokenizer, fixed_n: int | None = None):
     """Take looks until every check is decided (or the cap); fixed_n: evaluate exactly that many windows."""
-    from quantlab.stages import gate
+    from quantlab.gate import checks as gate_checks
 
     start = time.time()
     looks = [(design.look_of(fixed_n), fixed_n)] if fixed_n else list(enumerate(design.looks))
-    checks, look = [], 0
+    found, look = [], 0
     for look, n in looks:
         w, generated = blocks.windows(n)
         gen = None
         if generated is not None:
             gen = _generation_record(gen_prompts, *generated, blocks.ref.cfg.gen_tokens, tokenizer)
-        checks = gate.evaluate_checks(thresholds, w, gen, design, look) if thresholds is not None else []
+        found = gate_checks.evaluate_checks(thresholds, w, gen, design, look) if thresholds is not None else []
         log.info("look %d/%d at %d windows: %s", look + 1, len(design.looks), n,
-                 ", ".join(f"{c.name} {c.verdict}" for c in checks) or "no checks")
-        if fixed_n or gate.settled(checks):
+                 ", ".join(f"{c.name} {c.verdict}" for c in found) or "no checks")
+        if fixed_n or gate_checks.settled(found):
             break
-    checks = gate.finish(checks, at_cap=look == len(design.looks) - 1)
+    found = gate_checks.finish(found, at_cap=look == len(design.looks) - 1)
     result = result_of(blocks.spec.name, w, gen)
-    result.checks, result.look, result.design = checks, look, design
+    result.checks, result.look, result.design = found, look, design
     result.forward_batches, result.computed_now = blocks.forward_batches, blocks.built > 0
     result.seconds = round(time.time() - start, 2)
     return result
@@ -497,7 +498,7 @@ def candidate_identity(spec: EngineSpec, r) -> str:
 def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
     """One candidate evaluated look by look. The engine under test is gated; the attribution rungs are evaluated on
     exactly the windows it used."""
-    from quantlab.stages import gate
+    from quantlab.gate import checks as gate_checks
 
     cfg = ctx.cfg
     main = f"evaluate:{ctx.engine.name}"
@@ -520,8 +521,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         from quantlab.models import load_tokenizer
 
         evalset = r.value("data:eval")
-        thresholds = gate.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len) if is_main else None
-        design = gate.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
+        thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len) if is_main else None
+        design = gate_checks.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
         fixed = None if is_main else r.value(main).design.looks[r.value(main).look]
         log.info("evaluate: %s vs reference, looks of %d windows up to %d x %d tokens", spec.name,
                  cfg.gate.statistical.look_windows, design.cap, evalset.seq_len)

@@ -4,7 +4,7 @@ Conventions (README "Metrics" has the same text):
 - A window of T tokens gives T-1 predicted positions (position t predicts token t+1).
 - log p = logits - logsumexp(logits) in float32, over the full vocabulary of both models (the reference's logits
   are recomputed from its cached final hidden states), so every KL here is exact, not a top-k bound.
-- Windows, not tokens, are the independent units of every interval (quantlab.stats).
+- Windows, not tokens, are the independent units of every interval (quantlab.gate.stats).
 - The KL and probability statistics follow the definitions of llama.cpp's `llama-perplexity --kl-divergence`
   (KL(ref || cand) per position; delta-p = p_cand(token) - p_ref(token) of the correct next token; "same top" =
   top-1 agreement; percentiles by linear interpolation), so the numbers are comparable across tools. quantlab also
@@ -239,7 +239,7 @@ def distribution(values: np.ndarray, scale: float = 1.0) -> dict:
 def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> dict:
     """Window arrays -> every metric with its value and a 95% interval over windows (paired: the per-window
     differences of candidate and reference), the behaviour panel and the per-bucket metrics."""
-    from quantlab import stats
+    from quantlab.gate import stats
 
     out: dict[str, dict] = {}
 
@@ -289,7 +289,7 @@ def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> 
 def behaviour(w: Windows) -> dict:
     """The behaviour panel: KL distribution, delta-p distributions (correct token, reference's top token) with the
     share that went up or down, top-1 flips relative to the correct token with McNemar's tests."""
-    from quantlab import stats
+    from quantlab.gate import stats
 
     ref_ok, cand_ok = w.a["argmax_ref"] == w.targets, w.a["argmax_cand"] == w.targets
     b_w, c_w = (ref_ok & ~cand_ok).sum(1), (~ref_ok & cand_ok).sum(1)
@@ -312,7 +312,7 @@ def behaviour(w: Windows) -> dict:
 
 def buckets(w: Windows, confidence: float = 0.95) -> list[dict]:
     """Every metric per position bucket (0-128, 128-512, ...), with intervals over windows."""
-    from quantlab import stats
+    from quantlab.gate import stats
 
     out = []
     for label, lo, hi in bucket_bounds(w.t):

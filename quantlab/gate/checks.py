@@ -4,7 +4,7 @@ A check passes when its whole interval (at the sequential design's boundary for 
 the good side of the threshold, fails when it is wholly on the bad side, and is otherwise undecided; evaluation
 takes another look until every check is decided, and a check still undecided at the cap fails with that reason.
 Each check reports its value, interval, threshold, margin and the minimum detectable effect at the windows it
-used (quantlab.stats). Directions and ranges come from the metric registry, never from branches on names.
+used (quantlab.gate.stats). Directions and ranges come from the metric registry, never from branches on names.
 
 Quantile thresholds (kl_p99 <= t) are tested as the share of positions above t (<= 1%), a mean over windows like
 every other check. A baseline (metrics.json of an earlier release) adds paired one-sided regression checks.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from quantlab import metrics, stats
-from quantlab.config import GateConfig, Threshold
 from quantlab.errors import QuantlabError
-from quantlab.metrics import METRICS_SCHEMA, Windows
+from quantlab.gate import metrics, stats
+from quantlab.gate.config import GateConfig, Threshold
+from quantlab.gate.metrics import METRICS_SCHEMA, Windows
 from quantlab.precisions import PRECISIONS
 from quantlab.registry import did_you_mean
 
