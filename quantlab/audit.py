@@ -1174,14 +1174,11 @@ def _reference(reference) -> Any:
 
     if reference is None or isinstance(reference, ModelRef):
         return reference
-    from quantlab.config import ModelConfig
-    from quantlab.stages.prepare import _local
-
     path = Path(reference).expanduser()
     if not path.exists():
         raise QuantlabError(f"reference {path} does not exist",
                             fix="pass --reference the directory of the unquantized HF model the export was made from")
-    return _local(ModelConfig(path=str(path)))
+    return ModelRef.from_path(path)
 
 
 # ------------------------------------------------------------------------------------------- entry points

@@ -32,7 +32,7 @@ log = logging.getLogger("quantlab")
 # ------------------------------------------------------------------------------------------------ steps
 def steps_for(ctx: RunContext) -> list[Step]:
     """The run's steps in order, cut after cfg.stop_after."""
-    from quantlab.stages import audit, data, evaluate, export, prepare, quantize
+    from quantlab.stages import audit, build, data, evaluate, export, prepare, quantize
 
     cfg = ctx.cfg
     steps = [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)]
@@ -42,7 +42,7 @@ def steps_for(ctx: RunContext) -> list[Step]:
         if ctx.engine.runs == "checkpoint" or cfg.stop_after == "export":
             steps.append(audit.step(ctx))  # every checkpoint that would ship, before any evaluation of it
     steps.append(evaluate.reference_step(ctx))
-    steps.append(evaluate.engine_build_step(ctx))
+    steps.append(build.engine_step(ctx))
     steps += [evaluate.candidate_step(ctx, ENGINES[name]) for name in ctx.candidates()]
     return cut(steps, cfg.stop_after)
 
@@ -65,30 +65,6 @@ def targets(steps: list[Step]) -> list[str]:
     if any(s.name == "audit" for s in steps) and "audit" not in names:  # every export is audited before evaluation
         names.insert(names.index("export") + 1, "audit")
     return names
-
-
-class EngineInputsView:
-    """engines.base.EngineInputs over a run being executed: each call loads or builds what the engine runs."""
-
-    def __init__(self, r: Executor):
-        self._r = r
-        ctx = r.ctx
-        self.ref, self.device, self.dtype = r.value("prepare"), ctx.device, ctx.dtype
-        self.device_map, self.store = ctx.cfg.model.device_map, ctx.store
-
-    def checkpoint(self):
-        """The export step's value: the checkpoint Artifact (built, loaded, or the external one)."""
-        return self._r.value("export")
-
-    def calibrated_model(self):
-        """An unused fake-quant model: the one calibration left in memory, else restored from the saved state."""
-        return self._r.value("quantize").fresh()
-
-    def reference_model(self):
-        """The unquantized model, loaded anew with the run's device, dtype and device_map."""
-        from quantlab.models import load_model
-
-        return load_model(self.ref, self.device, self.dtype, self.device_map)
 
 
 # ------------------------------------------------------------------------------------------ executor

@@ -18,7 +18,7 @@ from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK
 from quantlab.gate import checks as gate_checks
 from quantlab.graph import Executor, steps_for, targets
-from quantlab.stages import evaluate
+from quantlab.stages import build, evaluate
 from quantlab.step import RunContext
 
 log = logging.getLogger("quantlab")
@@ -76,7 +76,7 @@ def _execute(ctx: RunContext, run: Executor, steps, record: dict, run_dir: Path,
     record["model"] = ref.describe()
     preflight.check_family(cfg, ref, ctx)
     preflight.check_lengths(cfg, ref.max_positions)
-    limits = evaluate.limits(run)
+    limits = build.limits(run)
     limits.check(cfg.eval.batch_size, cfg.eval.seq_len)
     if cfg.eval.gen_prompts and cfg.eval.gen_tokens:
         limits.check(min(cfg.eval.gen_prompts, cfg.eval.batch_size), cfg.eval.gen_prompt_len, cfg.eval.gen_tokens)

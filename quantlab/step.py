@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from quantlab.artifacts import Artifact, ArtifactStore, Built
 from quantlab.config import Config
-from quantlab.engines.base import Limits
 from quantlab.engines.registry import ATTRIBUTION_RUNGS, EngineSpec, engine_of
 from quantlab.env import Device
-from quantlab.errors import QuantlabError
 from quantlab.precisions import Precision, kv_format, precision_of
 
 
@@ -32,18 +30,18 @@ class Step:
 
     name: str
     stage: str  # one of config.STAGES (stop_after cuts by it); also the artifact store's directory
-    key: Callable[[Any], str | None]
-    load: Callable[[Artifact | None, Any, Built | None], Any]
-    build: Callable[[Path | None, Any], Any] | None = None
+    key: Callable[[Resolver], str | None]
+    load: Callable[[Artifact | None, Resolver, Built | None], Any]
+    build: Callable[[Path | None, Resolver], Any] | None = None
     needs: tuple[str, ...] = ()
-    work: Callable[[Any], dict | None] | None = None
-    manifest: Callable[[Any], dict] = field(default=lambda r: {})
+    work: Callable[[Resolver], dict | None] | None = None
+    manifest: Callable[[Resolver], dict] = field(default=lambda r: {})
     source: str | None = None  # local | external
     store_stage: str | None = None  # artifact directory when it differs from the stage (reference, evaluate)
     describe: str = ""
     cheap: bool = False  # its value may be loaded while planning (model refs, token sets)
     target: bool = True  # materialized by a run that ends at its stage (False: only when another step reads it)
-    probe: Callable[[Any], tuple[str, str]] | None = None  # (directory, key) of the first artifact an uncached
+    probe: Callable[[Resolver], tuple[str, str]] | None = None  # (directory, key) of the first artifact an uncached
     # step reads or writes: how the plan tells cached from to-build for steps made of many artifacts
     @property
     def directory(self) -> str:
@@ -90,16 +88,24 @@ class RunContext:
         return getattr(self.cfg.engine, "checkpoint", None)
 
 
-def limits_for(cfg: Config, max_positions: int | None) -> Limits:
-    """The engine's build limits (engine.max_*), defaulting to the model's max positions."""
-    engine = cfg.engine
-    cap = max_positions or 1 << 20
-    max_seq = engine.max_seq_len or cap
-    max_in = engine.max_input_len or max_seq
-    for knob, value in (("engine.max_seq_len", max_seq), ("engine.max_input_len", max_in)):
-        if value > cap:
-            raise QuantlabError(f"{knob}={value} is over the model's max positions ({cap})", fix=f"set {knob} <= {cap}")
-    if max_in > max_seq:
-        raise QuantlabError(f"engine.max_input_len={max_in} is over engine.max_seq_len={max_seq}",
-                            fix="raise engine.max_seq_len or lower engine.max_input_len")
-    return Limits(max_input_len=max_in, max_seq_len=max_seq, max_batch_size=engine.max_batch_size)
+class Resolver(Protocol):
+    """What a step's key, build, load, work, manifest and probe functions are given: the run's two interpreters,
+    quantlab.graph.Executor (loads or builds) and quantlab.graph.Pricer (prices without building), both satisfy it."""
+
+    ctx: RunContext
+
+    @property
+    def store(self) -> ArtifactStore:
+        """The run's artifact store."""
+
+    def has(self, name: str) -> bool:
+        """Whether the run has a step called name."""
+
+    def key(self, name: str) -> str | None:
+        """The step's cache key (None: an action, never cached)."""
+
+    def fingerprint(self, name: str) -> str:
+        """The step's fingerprint."""
+
+    def value(self, name: str) -> Any:
+        """The step's value (the Pricer raises Pending for one not built yet)."""

@@ -436,18 +436,16 @@ def test_w4a8_engine_matches_modelopt_fakequant(exports, tiny_llama):
 
     from quantlab.artifacts import Artifact
     from quantlab.audit import _canary_ids
-    from quantlab.config import ModelConfig
     from quantlab.engines.torch_engine import load_exported
     from quantlab.env import resolve_device
     from quantlab.gate.metrics import compare_positions
-    from quantlab.models import load_tokenizer
-    from quantlab.stages.prepare import _local
+    from quantlab.models import ModelRef, load_tokenizer
     from quantlab.stages.quantize import restore
 
     ckpt = exports("w4a8_awq", "none")
     qpath = Path(json.loads((exports.runs[("w4a8_awq", "none")] / "run.json").read_text())
                  ["artifacts"]["quantize"]["path"])
-    ref = _local(ModelConfig(path=str(tiny_llama)))
+    ref = ModelRef.from_path(tiny_llama)
     device = resolve_device("cpu")
     fakequant = restore(Artifact("quantize", qpath.name, qpath, json.loads((qpath / "manifest.json").read_text())),
                         ref, device, torch.float32)

@@ -3,9 +3,11 @@ the torch engine's model built from the exported checkpoint. The output embeddin
 forward pass yields final hidden states and the head makes logits chunk by chunk (quantlab.engines.head)."""
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from quantlab.engines.base import Engine, Limits, Outputs
 from quantlab.engines.head import CapturedHead
-from quantlab.engines.moe import RouterCapture
 
 
 class HFModelEngine(Engine):
@@ -50,3 +52,24 @@ class HFModelEngine(Engine):
 def reference(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
     """engine=reference: the unquantized model as its own candidate."""
     return HFModelEngine(inputs.reference_model(), limits, "reference")
+
+
+class RouterCapture:
+    """Forward hooks on MoE routers recording each layer's top-k expert ids, for the router agreement metric."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.taken: list = []
+        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def _hook(self, module, args, output):
+        if isinstance(output, tuple) and len(output) >= 3:
+            self.taken.append(output[2].detach())
+
+    def take(self, batch: int, length: int):
+        """[B, T, layers, k] sorted expert ids of the last forward (None for a dense model)."""
+        if not self.taken:
+            return None
+        ids = torch.stack([i.reshape(batch, length, -1) for i in self.taken], dim=2).sort(-1).values
+        self.taken = []
+        return ids.int()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from quantlab.checkpoint import CheckpointTensors, QuantConfig
-from quantlab.engines.qlayers import QLAYERS, LayerContext
+from quantlab.engines.qlayers import QLAYERS, LayerContext, plain_linear
 from quantlab.errors import QuantlabError
 
 ROLES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -60,8 +60,6 @@ def swap_experts(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, dev
     """Replace every fused experts module by QuantExperts built from the exported per-expert tensors; returns how
     many expert projections were loaded. `to_disk` maps in-memory names to checkpoint names (the router's disk
     name gives the block's disk prefix)."""
-    from quantlab.engines.torch_engine import plain_linear
-
     loaded = 0
     for name, module in list(model.named_modules()):
         if not is_fused_experts(module):
@@ -92,24 +90,3 @@ def swap_experts(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, dev
         setattr(model.get_submodule(parent), child, QuantExperts(layers["gate"], layers["up"], layers["down"],
                                                                  module.act_fn))
     return loaded
-
-
-class RouterCapture:
-    """Forward hooks on MoE routers recording each layer's top-k expert ids, for the router agreement metric."""
-
-    def __init__(self, model: nn.Module):
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        self.taken: list = []
-        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
-
-    def _hook(self, module, args, output):
-        if isinstance(output, tuple) and len(output) >= 3:
-            self.taken.append(output[2].detach())
-
-    def take(self, batch: int, length: int):
-        """[B, T, layers, k] sorted expert ids of the last forward (None for a dense model)."""
-        if not self.taken:
-            return None
-        ids = torch.stack([i.reshape(batch, length, -1) for i in self.taken], dim=2).sort(-1).values
-        self.taken = []
-        return ids.int()

@@ -301,6 +301,16 @@ QLAYERS.add("FP8_PER_CHANNEL_PER_TOKEN", Fp8PcPtLinear)
 QLAYERS.add("W4A16_AWQ", Int4AwqLinear)
 
 
+def plain_linear(t: CheckpointTensors, name: str, out_features: int, in_features: int, dtype, device) -> nn.Linear:
+    """An unquantized Linear read from the checkpoint (an expert projection the export left in high precision)."""
+    layer = nn.Linear(in_features, out_features, bias=f"{name}.bias" in t, device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(t.get(f"{name}.weight", shape=(out_features, in_features)))
+        if layer.bias is not None:
+            layer.bias.copy_(t.get(f"{name}.bias", shape=(out_features,)))
+    return layer.requires_grad_(False)
+
+
 # ------------------------------------------------------------------------------- shared-input fusion
 class SharedActivation:
     """One FP8 quantize for sibling layers that read the same activation with the same input scale (q/k/v):

@@ -20,6 +20,7 @@ from quantlab.checkpoint import CheckpointTensors, QuantConfig, read_quant_confi
 from quantlab.config import DEVICE_MAPS
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
+from quantlab.engines.moe import swap_experts
 from quantlab.engines.qlayers import QLAYERS, LayerContext, checked_scale, fp8_qdq, fuse_shared_inputs
 from quantlab.errors import QuantlabError
 
@@ -62,16 +63,6 @@ def skeleton(ckpt: Path, dtype: torch.dtype):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     return model, config, memory_to_disk(model)
-
-
-def plain_linear(t: CheckpointTensors, name: str, out_features: int, in_features: int, dtype, device) -> nn.Linear:
-    """An unquantized Linear read from the checkpoint (an expert projection the export left in high precision)."""
-    layer = nn.Linear(in_features, out_features, bias=f"{name}.bias" in t, device=device, dtype=dtype)
-    with torch.no_grad():
-        layer.weight.copy_(t.get(f"{name}.weight", shape=(out_features, in_features)))
-        if layer.bias is not None:
-            layer.bias.copy_(t.get(f"{name}.bias", shape=(out_features,)))
-    return layer.requires_grad_(False)
 
 
 def placement(model: nn.Module, device, dtype: torch.dtype, device_map: str | None):
@@ -245,8 +236,6 @@ def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None
 
 def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None) -> tuple[nn.Module, dict]:
     """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer."""
-    from quantlab.engines.moe import swap_experts
-
     ckpt = Path(ckpt)
     quant = read_quant_config(ckpt, required=True)
     check_formats(quant, ckpt)

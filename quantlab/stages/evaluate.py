@@ -24,13 +24,15 @@ import numpy as np
 from quantlab import costs
 from quantlab.artifacts import ArtifactStore, Built
 from quantlab.config import EvalConfig
+from quantlab.engines.base import Limits
 from quantlab.engines.registry import ENGINES, EngineSpec
 from quantlab.env import versions
 from quantlab.errors import QuantlabError
 from quantlab.gate import metrics
 from quantlab.gate.metrics import POSITION_FIELDS, Windows
+from quantlab.stages.build import RUNS_NEEDS, build_engine, limits
 from quantlab.stages.data import TokenSet
-from quantlab.step import RunContext, Step, limits_for
+from quantlab.step import RunContext, Step
 
 log = logging.getLogger("quantlab")
 REF_FILE, HEAD_FILE, CAND_FILE = "reference.safetensors", "head.safetensors", "positions.safetensors"
@@ -281,6 +283,7 @@ class CandidateBlocks:
     identity: str
     ref: ReferenceOutputs
     make_engine: object
+    limits: Limits | None = None  # the engine's build limits (part of every block's key)
     cost: object = None  # block -> work() dict for the cost record
     engine: object = None
     forward_batches: int = 0
@@ -290,7 +293,7 @@ class CandidateBlocks:
         """The store key of block b: candidate identity, reference, block, engine limits, device arch, dtype,
         metric formulas and versions."""
         return self.ref.store.key("evaluate", engine=self.spec.name, candidate=self.identity,
-                                  reference=self.ref.base_key, block=b, limits=self.ref.ctx.memo["limits"].describe(),
+                                  reference=self.ref.base_key, block=b, limits=self.limits.describe(),
                                   device=self.ref.ctx.device.arch, dtype=str(self.ref.ctx.dtype),
                                   metrics=metrics.FORMULA_VERSION, versions=versions())
 
@@ -424,28 +427,9 @@ def attribution(results: dict, engine: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the steps
-def limits(r):
-    """The run's engine limits (engine.max_*, defaulting to the model's max positions), computed once; exit 2
-    when they exceed the model's max positions or max_input_len > max_seq_len."""
-    ctx = r.ctx
-    if "limits" not in ctx.memo:
-        ctx.memo["limits"] = limits_for(ctx.cfg, r.value("prepare").max_positions)
-    return ctx.memo["limits"]
-
-
 def _look_tokens(r) -> int:
     evalset = r.value("data:eval")
     return min(evalset.num_windows, r.ctx.cfg.gate.statistical.look_windows) * evalset.seq_len
-
-
-RUNS_NEEDS = {"checkpoint": "export", "calibrated": "quantize", "model": "prepare"}
-
-
-def build_engine(spec: EngineSpec, r):
-    """Build an engine from what the run has (the registry says what it runs)."""
-    from quantlab.graph import EngineInputsView
-
-    return spec.builder()(r.ctx.cfg.engine, EngineInputsView(r), limits(r))
 
 
 def reference_step(ctx: RunContext) -> Step:
@@ -469,19 +453,6 @@ def reference_step(ctx: RunContext) -> Step:
                 target=False,
                 work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
                                           _look_tokens(r)))
-
-
-def engine_build_step(ctx: RunContext) -> Step:
-    """stop_after=build: build the engine under test (its build records are stored) and stop."""
-    spec = ctx.engine
-
-    def build(out, r) -> dict:
-        engine = build_engine(spec, r)
-        engine.close()
-        return {"engine": spec.name}
-
-    return Step(f"build:{spec.name}", "build", lambda r: None, lambda art, r, built: built,
-                build, needs=(RUNS_NEEDS[spec.runs], "prepare"))
 
 
 def candidate_identity(spec: EngineSpec, r) -> str:
@@ -509,10 +480,9 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
 
         memo = ctx.memo.setdefault("candidate_blocks", {})
         if spec.name not in memo:
-            limits(r)
             evalset, params = r.value("data:eval"), r.value("prepare").num_params
             memo[spec.name] = CandidateBlocks(
-                spec, candidate_identity(spec, r), r.value("reference"), lambda: build_engine(spec, r),
+                spec, candidate_identity(spec, r), r.value("reference"), lambda: build_engine(spec, r), limits(r),
                 lambda n: costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", params,
                                      n * evalset.seq_len))
         return memo[spec.name]
@@ -534,9 +504,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
             cand.close()
 
     def probe(r) -> tuple[str, str]:
-        limits(r)
         ref = ReferenceOutputs(ctx, r.key("reference"), None, None)
-        cand = CandidateBlocks(spec, candidate_identity(spec, r), ref, None)
+        cand = CandidateBlocks(spec, candidate_identity(spec, r), ref, None, limits(r))
         return "evaluate", cand.key(0)
 
     def work(r) -> dict:
