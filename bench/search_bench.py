@@ -55,10 +55,11 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from quantlab import api, search
+    from quantlab import api
     from quantlab.graph import Executor
     from quantlab.models import quantized_in_dims
     from quantlab.pipeline import context
+    from quantlab.search import driver as search
     from quantlab.stages import data, prepare
 
     data_dir = Path(args.data)

@@ -51,10 +51,11 @@ def main() -> None:
     from modelopt.torch.opt.utils import get_hparam
     from scipy import stats as sps
 
-    from quantlab import api, search
+    from quantlab import api
     from quantlab.graph import Executor
     from quantlab.models import quantized_in_dims
     from quantlab.pipeline import context
+    from quantlab.search import driver as search
     from quantlab.stages import data, prepare
 
     data_dir = Path(args.data)

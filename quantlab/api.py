@@ -16,38 +16,14 @@ Bad input raises QuantlabError (exit_code 2) before any compute.
 """
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from quantlab.config import Config
+from quantlab.rundir import RunResult
 
-
-@dataclass
-class RunResult:
-    """What a run left: its exit code (0 may ship, 1 a gate failed), directory and metrics document."""
-
-    exit_code: int
-    run_dir: Path
-    doc: dict | None = field(default=None, repr=False)  # metrics.json (None when the run stopped early)
-    record: dict | None = field(default=None, repr=False)  # run.json
-
-    @property
-    def passed(self) -> bool:
-        """True when the run exited 0 (may ship); False when a gate or the checkpoint audit failed (exit 1)."""
-        return self.exit_code == 0
-
-    @property
-    def metrics(self) -> dict:
-        """metrics.json's "metrics" section (metric name -> its value record); {} when the run stopped early."""
-        return (self.doc or {}).get("metrics", {})
-
-    @property
-    def gate(self) -> dict:
-        """metrics.json's "gate" section (passed, checks); {} when the run stopped early."""
-        return (self.doc or {}).get("gate", {})
+__all__ = ["RunResult", "config", "evaluate_checkpoint", "execute", "plan", "run"]
 
 
 def config(overrides: Sequence[str] = ()) -> Config:
@@ -62,7 +38,6 @@ def run(overrides: Sequence[str] | Config = (), run_dir: str | Path | None = Non
     from dataclasses import asdict
 
     from quantlab.compose import compose
-    from quantlab.pipeline import run_pipeline
 
     if isinstance(overrides, Config):
         cfg, snapshot, argv = overrides, asdict(overrides), []
@@ -70,18 +45,21 @@ def run(overrides: Sequence[str] | Config = (), run_dir: str | Path | None = Non
         argv = list(overrides)
         cfg, snapshot = compose(argv)
     run_dir = Path(run_dir) if run_dir else Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S_api")
-    if cfg.search is not None:  # +search=...: the search driver (search.json, report.md; metrics.json per evaluation)
-        from quantlab.search import run_search
+    result = execute(cfg, run_dir.resolve(), snapshot, argv)
+    result.run_dir = run_dir
+    return result
 
-        code = run_search(cfg, run_dir.resolve(), snapshot, argv)
-    else:
-        code = run_pipeline(cfg, run_dir.resolve(), snapshot, argv)
 
-    def read(name):
-        path = run_dir / name
-        return json.loads(path.read_text()) if path.is_file() else None
+def execute(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> RunResult:
+    """Run a composed Config into run_dir (the CLI's and run()'s one dispatch): +search=... runs the search driver
+    (search.json, report.md; metrics.json per evaluation), anything else the pipeline."""
+    if cfg.search is not None:
+        from quantlab.search.driver import run_search
 
-    return RunResult(code, run_dir, read("metrics.json"), read("run.json"))
+        return run_search(cfg, run_dir, snapshot, argv)
+    from quantlab.pipeline import run_pipeline
+
+    return run_pipeline(cfg, run_dir, snapshot, argv)
 
 
 def plan(overrides: Sequence[str]):

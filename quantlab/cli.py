@@ -1,4 +1,4 @@
-"""Command line: argv checks with "did you mean", then @hydra.main -> to_object -> run_pipeline.
+"""Command line: argv checks with "did you mean", then @hydra.main -> to_object -> api.execute.
 
 Exit codes: 0 every run may ship, 1 a gate failed, 2 bad config or input, 3 internal error (a bug: the
 traceback is written to the run directory), 130 interrupted. A sweep exits with the largest code of its runs,
@@ -174,19 +174,14 @@ def _task(dict_cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from quantlab.pipeline import run_pipeline
+    from quantlab.api import execute
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     error = None
     try:
         cfg = OmegaConf.to_object(dict_cfg)
         snapshot = OmegaConf.to_container(dict_cfg, resolve=True)
-        if cfg.search is not None:
-            from quantlab.search import run_search
-
-            code = run_search(cfg, run_dir, snapshot, sys.argv[1:])
-        else:
-            code = run_pipeline(cfg, run_dir, snapshot, sys.argv[1:])
+        code = execute(cfg, run_dir, snapshot, sys.argv[1:]).exit_code
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
         code, error = exc.exit_code, str(exc)

@@ -127,7 +127,7 @@ class SearchConfig:
     int4_block_sizes: List[int] = field(default_factory=list)  # more group sizes for int4 layers, e.g. [32]
     kv_cache: List[str] = field(default_factory=lambda: ["none"])  # KV formats tried on the winner (none | fp8)
     cost: str = "bits"  # bits: stored bits per weight, scales included | aq_bits: AutoQuantize's count (no scales)
-    # | latency: measured engine=torch latency of a prefill (quantlab.latency)
+    # | latency: measured engine=torch latency of a prefill (quantlab.search.latency)
     max_evaluations: int = 6  # full gate evaluations of exported checkpoints, uniform comparisons included
     sensitivity: str = "autoquantize"  # autoquantize: gradient scores | measured: one forward per group and format
     score_samples: Optional[int] = None  # calibration windows scored for sensitivity (null: all of calib)

@@ -66,13 +66,7 @@ def plan_run(cfg, label: str, history: list[dict], seen: set) -> RunPlan:
     steps = steps_for(ctx)
     pricer = Pricer(ctx, steps, history, seen)
     try:
-        ref = pricer.value("prepare")
-        preflight.check_family(cfg, ref, ctx)
-        preflight.check_lengths(cfg, ref.max_positions)
-        if pricer.has("quantize"):
-            from quantlab.stages.quantize import request
-
-            request(pricer)  # an impossible block size is this run's error
+        preflight.check_inputs(pricer)  # an impossible block size is this run's error
     except Pending:
         pass
     return RunPlan(label, pricer.price(targets(steps)))

@@ -149,6 +149,22 @@ def check_family(cfg: Config, ref, ctx) -> None:
                             fix="use engine=torch (it runs the NVFP4 export, emulated on a CPU), or run on a GPU")
 
 
+def check_inputs(r) -> dict | None:
+    """The checks that need the model (and nothing computed): its family for this precision and KV format, the
+    lengths against its positions, and the quantization request (an impossible block size). Returns the recipe
+    (None when the run does not quantize). The pipeline and the plan both call it (r: the run's Executor or
+    Pricer)."""
+    ctx = r.ctx
+    ref = r.value("prepare")
+    check_family(ctx.cfg, ref, ctx)
+    check_lengths(ctx.cfg, ref.max_positions)
+    if not r.has("quantize"):
+        return None
+    from quantlab.stages.quantize import request
+
+    return request(r).recipe
+
+
 def check_lengths(cfg: Config, max_positions: int | None) -> None:
     for knob, value in (("calib.seq_len", cfg.calib.seq_len), ("eval.seq_len", cfg.eval.seq_len)):
         if max_positions and value > max_positions:

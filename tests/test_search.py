@@ -20,7 +20,7 @@ def _cache_entries(cache: Path) -> set[str]:
 
 # ------------------------------------------------------------------------------------- frontier algebra
 def _groups():
-    from quantlab.search import Choice, Group
+    from quantlab.search.driver import Choice, Group
 
     choices = {c.name: c for c in (Choice("int4_awq", 32), Choice("fp8"), Choice(None))}
     groups = [Group("a.quant_recipe", ["a"], 100, {"int4_awq@32": 5.0, "fp8": 1.0, "none": 0.0}),
@@ -31,7 +31,7 @@ def _groups():
 
 
 def test_frontier_is_monotone_and_skips_dominated_formats():
-    from quantlab.search import frontier, uniform
+    from quantlab.search.driver import frontier, uniform
 
     groups, choices = _groups()
     chain = frontier(groups, choices, "bits", fixed_params=50)
@@ -56,7 +56,7 @@ def test_every_frontier_candidate_is_the_best_assignment_at_its_cost():
     upgrade order that ignored how many weights a group has would buy expensive groups too early and fail here."""
     import itertools
 
-    from quantlab.search import Choice, Group, frontier, totals
+    from quantlab.search.driver import Choice, Group, frontier, totals
 
     choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
     sizes = [50, 800, 120, 400, 60]
@@ -81,8 +81,8 @@ def test_latency_frontier_is_the_best_assignment_at_its_predicted_latency():
     least-loss assignment at its predicted latency (brute force)."""
     import itertools
 
-    from quantlab.latency import per_weight_costs
-    from quantlab.search import Choice, Group, LatencyModel, frontier
+    from quantlab.search.driver import Choice, Group, LatencyModel, frontier
+    from quantlab.search.latency import per_weight_costs
 
     choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
     sizes = [50, 800, 120, 400, 60]
@@ -112,11 +112,11 @@ def test_latency_frontier_is_the_best_assignment_at_its_predicted_latency():
 
 
 def test_next_k_interpolates_inside_the_bracket():
-    from quantlab import search
-    from quantlab.search import next_k
+    from quantlab.search import driver as search
+    from quantlab.search.driver import next_k
 
     groups, choices = _groups()
-    from quantlab.search import frontier
+    from quantlab.search.driver import frontier
 
     chain = frontier(groups, choices, "bits", fixed_params=0)
 
@@ -168,8 +168,8 @@ def test_bad_search_options_are_named_before_the_model_is_read(extra, needle):
     """The option checks the CLI runs first (exit 2 as in the subprocess cases above), on the composed config."""
     from conftest import compose
 
-    from quantlab import search
     from quantlab.errors import QuantlabError
+    from quantlab.search import driver as search
 
     with pytest.raises(QuantlabError, match=re.escape(needle)) as err:
         search.check_search_config(compose([*SEARCH, *extra])[0])

@@ -27,7 +27,7 @@ Costs (SearchConfig.cost) are bits per weight over the linear layers AutoQuantiz
 pre-quant scales and per-tensor scales are left out of the prediction and measured on the export, search.json's
 stored_bits_measured: under 1% more on the test model); `aq_bits` counts as
 AutoQuantize does (4 for any int4 group size, NVFP4 4.5, FP8 8, none 16); `latency` is measured engine=torch
-latency of a prefill on this device (quantlab.latency: the unquantized model and each uniform format are timed, a
+latency of a prefill on this device (quantlab.search.latency: the unquantized model and each uniform format are timed, a
 format's cost per weight is its uniform latency change spread over the searched weights; every evaluated candidate
 is timed too and the winner is the fastest measured that passes and beats the unquantized model by
 search.min_speedup; the resolution stop still counts stored bits).
@@ -255,7 +255,7 @@ def totals(groups: list[Group], choices: dict[str, Choice], assignment: dict[str
 @dataclass
 class LatencyModel:
     """search.cost=latency: the measured unquantized and uniform latencies and the cost per weight of each format
-    derived from them (quantlab.latency)."""
+    derived from them (quantlab.search.latency)."""
     none_ms: float
     per_weight: dict[str, float]  # choice name -> ms per weight relative to none (0 for none)
     measured: dict[str, dict]  # "none" and each uniform format -> time_forward's result
@@ -720,13 +720,14 @@ def stored_bits(ckpt: Path, groups: list[Group], fixed_modules: list[str], fixed
     return bits / weights if weights else float("nan")
 
 
-def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> int:
+def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]):
     """+search: sensitivity, frontier, evaluations of exports until the cheapest passing one is found (module
     docstring); writes search.json, report.md / report.html and run.json into run_dir. Exit 0 with a winner, 1
     when nothing quantized passes, 2 (QuantlabError) on input refused before calibration."""
     from quantlab.graph import Executor
     from quantlab.models import quantized_in_dims
-    from quantlab.pipeline import context, set_aside_previous
+    from quantlab.pipeline import context
+    from quantlab.rundir import set_aside_previous
     from quantlab.stages import data, prepare
 
     start = time.time()
@@ -874,15 +875,15 @@ def run_search(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> i
 
 
 def _finish(cfg, run_dir, snapshot, argv, start, thresholds, choices, groups, fixed_params, scores_doc, chain,
-            evaluations, winner, ref, top_known, latency) -> int:
+            evaluations, winner, ref, top_known, latency):
     """search.json, the reports, the winner link, run.json and the final line; the exit code."""
     doc = _document(cfg, thresholds, choices, groups, fixed_params, scores_doc, chain, evaluations, winner, ref,
                     time.time() - start, argv, top_known, latency)
     _write_reports(run_dir, doc, chain, evaluations, winner, groups, cfg)
     if winner is not None:
-        from quantlab.pipeline import _link
+        from quantlab.rundir import link
 
-        _link(run_dir / "winner", Path(winner.export))
+        link(run_dir / "winner", Path(winner.export))
         lat = ""
         if winner.latency and latency:
             lat = (f", {winner.latency['ms']:.1f} ms per forward pass measured "
@@ -915,7 +916,9 @@ def _finish(cfg, run_dir, snapshot, argv, start, thresholds, choices, groups, fi
               "wall_time_s": round(time.time() - start, 1), "search": {"evaluations": len(evaluations)}}
     write_json_atomic(run_dir / "run.json", record)
     print(f"quantlab: {what} in {time.time() - start:.0f} s")
-    return code
+    from quantlab.rundir import RunResult
+
+    return RunResult(code, run_dir, doc, record)
 
 
 def export_candidate(ctx, sens: Sensitivity, groups: list[Group], cand: Candidate, kv: str) -> Path:
@@ -941,7 +944,7 @@ def evaluate_candidate(cfg: Config, ctx, sens: Sensitivity, groups: list[Group],
 
 def measure_latency(cfg: Config, ctx, path: Path | None, ref=None) -> dict:
     """search.cost=latency: an export's latency in engine=torch, or (path None) the unquantized model's."""
-    from quantlab import latency as lt
+    from quantlab.search import latency as lt
 
     s = cfg.search
     args = (ctx.device, ctx.dtype, s.latency_batch, s.latency_tokens or cfg.eval.seq_len, s.latency_repeats,
@@ -953,8 +956,8 @@ def latency_profile(cfg: Config, ctx, sens: Sensitivity, groups: list[Group], fi
                     by_name: dict[str, Choice], fixed_params: int, ref, kv: str,
                     timings: dict[str, dict]) -> LatencyModel:
     """The unquantized model and every uniform format (exported; the exports are the search's own cached
-    artifacts) timed in engine=torch; each format's cost per weight from them (quantlab.latency)."""
-    from quantlab.latency import per_weight_costs
+    artifacts) timed in engine=torch; each format's cost per weight from them (quantlab.search.latency)."""
+    from quantlab.search.latency import per_weight_costs
 
     measured = {"none": measure_latency(cfg, ctx, None, ref)}
     for name in by_name:
@@ -989,7 +992,7 @@ def _evaluate_export(cfg: Config, path: Path, kv: str, run_dir: Path, argv: list
     sub = dataclasses.replace(cfg, precision=PRECISION_SCHEMAS[precision.name](),
                               kv_cache=KvCacheConfig(kv), engine=dataclasses.replace(cfg.engine, checkpoint=str(path)),
                               gate=dataclasses.replace(cfg.gate, per_precision={}), search=None, eval=evaluation)
-    code = run_pipeline(sub, run_dir.resolve(), asdict(sub), reproduce_argv(argv, path))
+    code = run_pipeline(sub, run_dir.resolve(), asdict(sub), reproduce_argv(argv, path)).exit_code
     metrics, audit = run_dir / "metrics.json", run_dir / "audit.json"
     if not metrics.is_file() and audit.is_file():  # the audit stopped the run: a broken export fails, unevaluated
         from quantlab.audit import AuditReport
