@@ -1,4 +1,4 @@
-"""Does AutoQuantize's sensitivity rank layer groups the way a measurement does? (issue "search", point 2)
+"""Does AutoQuantize's sensitivity rank layer groups the way a measurement does (issue "search", point 2)?
 
 The search ranks where precision is spent by ModelOpt AutoQuantize's gradient scores (a Fisher / second-order Taylor
 estimate of the loss increase when one layer group alone takes a format). This bench measures the same quantity

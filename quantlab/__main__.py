@@ -3,6 +3,7 @@ import sys
 
 
 def main() -> None:
+    """Run the command line (quantlab.cli) and exit with its code."""
     from quantlab.cli import main as cli_main
 
     sys.exit(cli_main())

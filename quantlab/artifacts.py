@@ -31,19 +31,23 @@ SCHEMA_VERSION = 1
 
 
 def default_cache_dir() -> Path:
+    """The artifact store: $QUANTLAB_CACHE, else ~/.cache/quantlab."""
     env = os.environ.get("QUANTLAB_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "quantlab"
 
 
 def canonical_json(obj: Any) -> str:
+    """obj as JSON with sorted keys and no spaces (the form every key is hashed in)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def hash_obj(obj: Any) -> str:
+    """sha256 hex digest of canonical_json(obj)."""
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 hex digest of a file, read a chunk at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -58,6 +62,7 @@ def fingerprint_files(root: Path, files: Iterable[Path] | None = None) -> dict[s
 
 
 def fingerprint_of(files: dict[str, str]) -> str:
+    """The 16-hex-digit fingerprint of a set of files (name -> sha256)."""
     return hash_obj(files)[:16]
 
 
@@ -69,6 +74,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write obj as indented JSON through a temporary file renamed into place (a reader never sees half a file)."""
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
@@ -83,6 +89,7 @@ class Built:
 
 @dataclass
 class Artifact:
+    """A built entry of the store: its stage, key, directory and manifest (fingerprint, info, file hashes)."""
     stage: str
     key: str
     path: Path
@@ -90,10 +97,12 @@ class Artifact:
 
     @property
     def fingerprint(self) -> str:
+        """The fingerprint of the artifact's files (from its manifest)."""
         return self.manifest["fingerprint"]
 
     @property
     def info(self) -> dict:
+        """What the build recorded about itself (manifest "info")."""
         return self.manifest.get("info", {})
 
 
@@ -137,9 +146,11 @@ class ArtifactStore:
         self.events: list[tuple[str, str, str]] = []  # (stage, key, "built" | "reused"), for the run log
 
     def key(self, stage: str, **parts: Any) -> str:
+        """The store key of a stage's artifact: a hash of the stage and every part that identifies it."""
         return hash_obj({"stage": stage, **parts})[:20]
 
     def path(self, stage: str, key: str) -> Path:
+        """The directory of an artifact."""
         return self.root / stage / key
 
     def lock(self, stage: str, key: str) -> FileLock:
@@ -258,6 +269,7 @@ class ArtifactStore:
             lock.release()
 
     def entries(self) -> list[Artifact]:
+        """Every complete artifact in the store (manifest readable), sorted by path."""
         out = []
         for manifest_path in sorted(self.root.glob(f"*/*/{MANIFEST}")):
             try:

@@ -24,6 +24,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8, "U64": 8, "U32": 4, "U16": 2}
 MAX_HEADER = 100_000_000
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I8", "U8")  # quantized codes
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _bad(file: Path, why: str) -> QuantlabError:
@@ -54,25 +56,7 @@ def read_safetensors_header(file: Path) -> dict[str, dict]:
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _bad(file, "__metadata__ must map strings to strings")
     data_size = size - 8 - n
-    spans = []
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise _bad(file, f"entry {name[:80]!r} is not {{dtype, shape, data_offsets}}")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPE_BYTES:
-            raise _bad(file, f"tensor {name[:80]!r} has unknown dtype {str(dtype)[:20]!r}")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise _bad(file, f"tensor {name[:80]!r} has a malformed shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise _bad(file, f"tensor {name[:80]!r} has malformed data_offsets")
-        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise _bad(file, f"tensor {name[:80]!r}: its byte range does not match its shape and dtype")
-        if offsets[1] > data_size:
-            raise QuantlabError(f"{file.name} is truncated or corrupt: tensor {name} ends at byte "
-                                f"{8 + n + offsets[1]}, the file has {size}",
-                                fix="re-download or re-save the checkpoint")
-        spans.append((offsets[0], offsets[1], name))
+    spans = [_checked_entry(file, name, entry, data_size, size - data_size) for name, entry in header.items()]
     spans.sort()
     for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         if start < end:
@@ -82,6 +66,28 @@ def read_safetensors_header(file: Path) -> dict[str, dict]:
         raise QuantlabError(f"{file.name} is truncated or corrupt: its header describes {8 + n + end} bytes, "
                             f"the file has {size}", fix="re-download or re-save the checkpoint")
     return header
+
+
+def _checked_entry(file: Path, name: str, entry, data_size: int, data_start: int) -> tuple[int, int, str]:
+    """One header entry, checked: its keys, a known dtype, a shape of non-negative integers, offsets that match
+    shape and dtype and end inside the data section; its (start, end, name)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _bad(file, f"entry {name[:80]!r} is not {{dtype, shape, data_offsets}}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_BYTES:
+        raise _bad(file, f"tensor {name[:80]!r} has unknown dtype {str(dtype)[:20]!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise _bad(file, f"tensor {name[:80]!r} has a malformed shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise _bad(file, f"tensor {name[:80]!r} has malformed data_offsets")
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise _bad(file, f"tensor {name[:80]!r}: its byte range does not match its shape and dtype")
+    if offsets[1] > data_size:
+        raise QuantlabError(f"{file.name} is truncated or corrupt: tensor {name} ends at byte "
+                            f"{data_start + offsets[1]}, the file has {data_start + data_size}",
+                            fix="re-download or re-save the checkpoint")
+    return offsets[0], offsets[1], name
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -201,6 +201,7 @@ def _task(dict_cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: exit 0 may ship, 1 a gate failed, 2 bad input, 3 a bug, 130 interrupted (module docstring)."""
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:

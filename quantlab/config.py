@@ -25,6 +25,7 @@ def conf_dir() -> Path:
 
 
 def calib_data_dir() -> Path:
+    """The data recipes directory: packaged copy in a wheel, the repo's calib_data/ otherwise."""
     packaged = PACKAGE_DIR / "_calib_data"
     return packaged if packaged.is_dir() else PACKAGE_DIR.parent / "calib_data"
 
@@ -78,6 +79,8 @@ class DataConfig:
 
 @dataclass
 class CalibConfig(DataConfig):
+    """Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches.
+    Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches."""
     num_samples: int = 32
     pool_windows: int = 1024  # windows are drawn from the first pool_windows windows (reading stops there)
     batch_size: int = 16  # AWQ-lite searches per batch: fewer, larger batches calibrate faster (bench/RESULTS.md)
@@ -87,6 +90,7 @@ class CalibConfig(DataConfig):
 class EvalConfig(DataConfig):
     # cap on evaluation windows (the sequential gate stops earlier once every check is decided); null = every
     # full window of the text
+    """Evaluation data and settings: windows up to the cap, batch size, greedy generations, attribution."""
     max_windows: Optional[int] = 64
     batch_size: int = 4
     gen_prompts: int = 4  # greedy-generation agreement: number of prompts (0 = off)
@@ -103,6 +107,7 @@ class PrecisionConfig:
 
 @dataclass
 class KvCacheConfig:
+    """The KV cache format of the run (quantlab.precisions.KV_FORMATS)."""
     dtype: str = "none"  # none | fp8
 
 
@@ -144,6 +149,8 @@ STAGES = ("prepare", "data", "quantize", "export", "build", "evaluate")  # stop_
 
 @dataclass
 class Config:
+    """The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node).
+    The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = MISSING  # a config group: precision=fp8 (or +precision=fp8)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)

@@ -18,25 +18,30 @@ from dataclasses import dataclass
 
 
 def machine_id() -> str:
+    """This machine's name in cost records."""
     return platform.node() or "unknown"
 
 
 def work(device: str, variant: str, params: int | None = None, size: int | None = None) -> dict:
+    """What a build's time depends on: device, variant (precision, engine), parameters and size (tokens or bytes)."""
     return {"device": device, "variant": variant, "params": params, "size": size}
 
 
 def record(stage: str, wall_time_s: float, cost: dict) -> dict:
+    """A cost record: the machine, the stage, the wall time and what the build's time depends on."""
     return {"machine": machine_id(), "stage": stage, "wall_time_s": wall_time_s, **cost}
 
 
 @dataclass
 class Estimate:
+    """A predicted build time and where it comes from (rough when predicted from another variant)."""
     seconds: float | None
     basis: str  # where the figure comes from, for the plan's log
     rough: bool = False  # predicted from other variants (another precision or engine)
 
     @property
     def known(self) -> bool:
+        """Whether a figure could be predicted."""
         return self.seconds is not None
 
 
@@ -82,6 +87,7 @@ def _fit(pool: list[dict], size: int | None) -> Estimate | None:
 
 
 def device_label(device) -> str:
+    """The device of cost records (type:name)."""
     return f"{device.type}:{device.name}"
 
 

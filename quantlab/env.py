@@ -14,6 +14,7 @@ LIBRARIES = ("torch", "transformers", "nvidia-modelopt", "tensorrt_llm", "quantl
 
 @functools.cache
 def versions() -> dict[str, str | None]:
+    """Versions of the libraries whose outputs enter cache keys (None for one not installed)."""
     out = {}
     for name in LIBRARIES:
         try:
@@ -25,6 +26,7 @@ def versions() -> dict[str, str | None]:
 
 @functools.cache
 def git_commit() -> str | None:
+    """The commit of the quantlab checkout, or None (not a checkout, or no git)."""
     repo = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
@@ -37,6 +39,7 @@ def git_commit() -> str | None:
 
 @dataclass(frozen=True)
 class Device:
+    """Where the run computes: type, index, name, architecture and (CUDA) compute capability."""
     type: str  # cpu | cuda
     index: int | None
     name: str
@@ -44,6 +47,7 @@ class Device:
 
     @property
     def torch(self) -> str:
+        """The torch device string (cpu, cuda, cuda:N)."""
         return self.type if self.index is None else f"{self.type}:{self.index}"
 
     @property
@@ -53,13 +57,16 @@ class Device:
 
     @property
     def has_fp8(self) -> bool:
+        """Whether the GPU has FP8 GEMMs (compute capability 8.9 or newer)."""
         return self.capability is not None and self.capability >= (8, 9)
 
     def describe(self) -> dict:
+        """Type, name and architecture, for records."""
         return {"type": self.type, "name": self.name, "arch": self.arch}
 
 
 def resolve_device(spec: str) -> Device:
+    """model.device -> a Device (auto: the first CUDA GPU, else the CPU); exit 2 for one that does not exist."""
     import torch
 
     if spec == "auto":
@@ -79,6 +86,7 @@ def resolve_device(spec: str) -> Device:
 
 
 def resolve_dtype(spec: str, device: Device):
+    """model.dtype -> a torch dtype (auto: bfloat16 on a GPU, float32 on a CPU)."""
     import torch
 
     if spec == "auto":

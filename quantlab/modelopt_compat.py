@@ -19,6 +19,7 @@ EXPERT_QUANTIZERS = ("gate_up_proj_weight_quantizers", "down_proj_weight_quantiz
 
 
 def has_fused_experts(model) -> bool:
+    """Whether ModelOpt quantized a model whose experts are fused 3-D parameters."""
     return any(hasattr(m, EXPERT_QUANTIZERS[0]) for m in model.modules())
 
 

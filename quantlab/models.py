@@ -45,6 +45,7 @@ class ModelRef:
 
     @property
     def max_positions(self) -> int | None:
+        """The model's maximum positions (from its config; None when it names none)."""
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
         value = text.get("max_position_embeddings") or text.get("n_positions") or text.get("max_sequence_length")
         return value if isinstance(value, int) and value > 0 else None
@@ -57,11 +58,13 @@ class ModelRef:
         return _local(path, trust_remote_code)
 
     def describe(self) -> dict:
+        """Name, path, fingerprint, source, model type and architectures, for records."""
         return {"name": self.name, "path": str(self.path), "fingerprint": self.fingerprint, "source": self.source,
                 "model_type": self.config.get("model_type"), "architectures": self.config.get("architectures")}
 
 
 def check_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The tokenizer saved beside a model, loaded; exit 2 when it is missing or does not load."""
     from transformers import AutoTokenizer
 
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -75,6 +78,7 @@ def check_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_tokenizer(ref: ModelRef):
+    """The tokenizer of a ModelRef."""
     return check_tokenizer(ref.path, ref.trust_remote_code)
 
 

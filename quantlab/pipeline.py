@@ -131,8 +131,8 @@ class _Run:
                                       result.windows, result.metrics, self.provenance)
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
-        ckpt = run.values["export"].path if "export" in run.values else None
-        doc["weight_error"] = write_run_reports(self.run_dir, doc, result.kl_values, ckpt, ref.path)
+        layers = run.values["audit"].layers if "audit" in run.values else []
+        doc["weight_error"] = write_run_reports(self.run_dir, doc, result.kl_values, layers)
         documents.write_metrics(self.run_dir, doc)
         documents.write_junit(self.run_dir, doc)
         print(documents.console_table(doc))

@@ -26,11 +26,13 @@ COLUMNS = ("prepare", "data:calib", "data:eval", "quantize", "export", "referenc
 
 @dataclass
 class RunPlan:
+    """One run of a plan: its label, its priced steps, or the error that would reject it."""
     label: str
     steps: list[Priced] = field(default_factory=list)
     error: str | None = None
 
     def seconds(self) -> float:
+        """Estimated seconds of the steps this run builds (those with an estimate)."""
         return sum(s.estimate.seconds for s in self.steps if s.status == "build" and s.estimate and s.estimate.known)
 
 
@@ -102,6 +104,7 @@ def _fmt(seconds: float) -> str:
 
 
 def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str:
+    """The plan as the table printed before a sweep (one row per run, one column per stage, the totals)."""
     head = ["run"] + [c.replace("data:", "") for c in COLUMNS] + ["estimate"]
     rows = []
     for p in plans:

@@ -58,6 +58,46 @@ class Nvfp4Config(PrecisionConfig):
     """NVFP4 W4A4: E2M1 values in blocks of 16 with FP8 block scales and a per-tensor scale (Blackwell or newer)."""
 
 
+# ---------------------------------------------------------------------------------------------- audit bounds
+@dataclass(frozen=True)
+class WeightBounds:
+    """Per-layer bounds of a format, dequantized weight vs reference (quantlab.audit.weights): an error below
+    cosine_error or sqnr_error_db, a warning below sqnr_warn_db."""
+
+    cosine_error: float
+    sqnr_error_db: float
+    sqnr_warn_db: float
+
+
+@dataclass(frozen=True)
+class CanaryBounds:
+    """Logits-canary bounds of a format (quantlab.audit.canary): an error when top-1 agreement falls below
+    top1_error or the mean KL rises over kl_error, a warning below top1_warn / over kl_warn."""
+
+    top1_error: float
+    top1_warn: float
+    kl_error: float
+    kl_warn: float
+
+
+@dataclass(frozen=True)
+class AuditBounds:
+    """What the checkpoint audit holds an export of a precision to. Every precision states its own (a required
+    field of its registry entry); healthy values and how the bounds were set: quantlab.audit and bench/RESULTS.md."""
+
+    weights: WeightBounds
+    canary: CanaryBounds
+
+
+# Healthy values (tiny models and SmolLM2-135M): FP8 30-32 dB, INT8 per-channel 38-47 dB, int4 groups / NVFP4
+# 17-22 dB; cosines 0.99+ for 4-bit formats, 0.999+ for 8-bit ones. Bounds sit well below the worst healthy value.
+_EIGHT_BIT = AuditBounds(WeightBounds(cosine_error=0.99, sqnr_error_db=18.0, sqnr_warn_db=24.0),
+                         CanaryBounds(top1_error=0.7, top1_warn=0.85, kl_error=0.3, kl_warn=0.1))
+_INT8_SQ = AuditBounds(WeightBounds(cosine_error=0.995, sqnr_error_db=25.0, sqnr_warn_db=30.0), _EIGHT_BIT.canary)
+_FOUR_BIT = AuditBounds(WeightBounds(cosine_error=0.97, sqnr_error_db=12.0, sqnr_warn_db=15.0),
+                        CanaryBounds(top1_error=0.55, top1_warn=0.7, kl_error=0.8, kl_warn=0.35))
+
+
 # ---------------------------------------------------------------------------------------------- entries
 @dataclass(frozen=True)
 class Precision:
@@ -75,6 +115,8 @@ class Precision:
     fixed_block: int | None = None  # a block size the format fixes (NVFP4: 16)
     scale_bits: int = 0  # bits of one weight scale (per tensor, per channel or per block)
     adjust: Callable[[dict, Any], None] | None = field(default=None, compare=False)  # edit the ModelOpt config
+    # what the audit holds its exports to (None only for `mixed`: each layer is held to its own format's bounds)
+    audit: AuditBounds | None = field(kw_only=True)
 
 
 def _smoothquant_alpha(cfg: dict, precision: Int8SqConfig) -> None:
@@ -83,19 +125,22 @@ def _smoothquant_alpha(cfg: dict, precision: Int8SqConfig) -> None:
 
 
 PRECISIONS: Registry[Precision] = Registry("precision", "+precision=NAME")
-PRECISIONS.add("fp8", Precision("fp8", Fp8Config, "FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer", 8))
+PRECISIONS.add("fp8", Precision("fp8", Fp8Config, "FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer", 8,
+                                audit=_EIGHT_BIT))
 PRECISIONS.add("fp8_pc_pt", Precision("fp8_pc_pt", Fp8PcPtConfig, "FP8_PER_CHANNEL_PER_TOKEN_CFG",
-                                      "FP8_PER_CHANNEL_PER_TOKEN", (8, 9), "Ada / Hopper or newer", 8, scale_bits=32))
+                                      "FP8_PER_CHANNEL_PER_TOKEN", (8, 9), "Ada / Hopper or newer", 8, scale_bits=32,
+                                      audit=_EIGHT_BIT))
 PRECISIONS.add("int8_sq", Precision("int8_sq", Int8SqConfig, "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", None,
-                                    "any", 8, scale_bits=32, adjust=_smoothquant_alpha))
+                                    "any", 8, scale_bits=32, adjust=_smoothquant_alpha, audit=_INT8_SQ))
 PRECISIONS.add("int4_awq", Precision("int4_awq", Int4AwqConfig, "INT4_AWQ_CFG", "W4A16_AWQ", None, "any", 4,
-                                     blockwise=True, scale_bits=16))
+                                     blockwise=True, scale_bits=16, audit=_FOUR_BIT))
 PRECISIONS.add("w4a8_awq", Precision("w4a8_awq", W4A8AwqConfig, "W4A8_AWQ_BETA_CFG", "W4A8_AWQ", (8, 9),
-                                     "Ada / Hopper or newer", 4, blockwise=True, scale_bits=16))
+                                     "Ada / Hopper or newer", 4, blockwise=True, scale_bits=16, audit=_FOUR_BIT))
 PRECISIONS.add("nvfp4", Precision("nvfp4", Nvfp4Config, "NVFP4_DEFAULT_CFG", "NVFP4", (10, 0), "Blackwell or newer",
-                                  4, fixed_block=16, scale_bits=8))
+                                  4, fixed_block=16, scale_bits=8, audit=_FOUR_BIT))
 
-PRECISIONS.add("mixed", Precision("mixed", MixedConfig, "", "MIXED_PRECISION", None, "per layer", 8))
+PRECISIONS.add("mixed", Precision("mixed", MixedConfig, "", "MIXED_PRECISION", None, "per layer", 8,
+                                  audit=None))
 
 PRECISION_SCHEMAS: dict[str, type] = {name: p.schema for name, p in PRECISIONS.items()}
 

@@ -38,6 +38,29 @@ def check_config(cfg: Config) -> None:
         raise QuantlabError("no precision chosen", fix="add +precision=fp8 (or int8_sq, int4_awq, w4a8_awq, nvfp4)")
     check_no_empty_values(cfg)
     precision = precision_of(cfg.precision)
+    _check_counts(cfg)
+    parse_block_size(cfg.precision)
+    if cfg.model.device_map is not None and cfg.model.device_map not in DEVICE_MAPS:
+        raise QuantlabError(f"model.device_map={cfg.model.device_map!r} is not supported",
+                            fix=f"use one of {', '.join(DEVICE_MAPS)} (or model.device=cuda:N for one device)")
+    _check_windows(cfg)
+    kv_format(cfg.kv_cache)
+    engine = engine_of(cfg.engine)
+    _check_engine(cfg, engine, precision)
+    check_options_take_effect(cfg, engine)
+    if precision.name == "mixed" and not getattr(cfg.engine, "checkpoint", None) and not getattr(cfg, "search", None):
+        raise QuantlabError("precision=mixed evaluates a checkpoint with per-layer formats; quantlab makes one only "
+                            "through the search", fix="pass engine.checkpoint=DIR, or run python -m quantlab "
+                                                      "+search=cheapest to find and export one")
+    from quantlab.gate.checks import check_gate
+
+    check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
+    if cfg.stop_after is not None and cfg.stop_after not in STAGES:
+        raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
+
+
+def _check_counts(cfg: Config) -> None:
+    """Every count (samples, lengths, batches, engine limits) positive."""
     positive = {
         "calib.num_samples": cfg.calib.num_samples, "calib.seq_len": cfg.calib.seq_len,
         "calib.batch_size": cfg.calib.batch_size, "calib.pool_windows": cfg.calib.pool_windows,
@@ -53,10 +76,10 @@ def check_config(cfg: Config) -> None:
     for knob, value in positive.items():
         if value <= 0:
             raise QuantlabError(f"{knob}={value} must be a positive number", fix=f"set {knob} to 1 or more")
-    parse_block_size(cfg.precision)
-    if cfg.model.device_map is not None and cfg.model.device_map not in DEVICE_MAPS:
-        raise QuantlabError(f"model.device_map={cfg.model.device_map!r} is not supported",
-                            fix=f"use one of {', '.join(DEVICE_MAPS)} (or model.device=cuda:N for one device)")
+
+
+def _check_windows(cfg: Config) -> None:
+    """Windows that can score a token; prefix tokens and greedy generations that fit in them."""
     if cfg.eval.seq_len < 2:
         raise QuantlabError(f"eval.seq_len={cfg.eval.seq_len}: a window needs 2 tokens or more to score one",
                             fix="set eval.seq_len to 2 or more")
@@ -76,8 +99,10 @@ def check_config(cfg: Config) -> None:
     if cfg.eval.gen_prompts and cfg.eval.gen_prompt_len >= cfg.eval.seq_len:
         raise QuantlabError(f"eval.gen_prompt_len={cfg.eval.gen_prompt_len} must be shorter than "
                             f"eval.seq_len={cfg.eval.seq_len}", fix="lower eval.gen_prompt_len")
-    kv_format(cfg.kv_cache)
-    engine = engine_of(cfg.engine)
+
+
+def _check_engine(cfg: Config, engine, precision) -> None:
+    """The engine is available here, runs this precision's checkpoints and knows its backend."""
     why_not = engine.available()
     if why_not:
         problem, _, fix = why_not.partition("\n  fix: ")
@@ -89,16 +114,6 @@ def check_config(cfg: Config) -> None:
         from quantlab.engines.trtllm import check_backend
 
         check_backend(cfg.engine)
-    check_options_take_effect(cfg, engine)
-    if precision.name == "mixed" and not getattr(cfg.engine, "checkpoint", None) and not getattr(cfg, "search", None):
-        raise QuantlabError("precision=mixed evaluates a checkpoint with per-layer formats; quantlab makes one only "
-                            "through the search", fix="pass engine.checkpoint=DIR, or run python -m quantlab "
-                                                      "+search=cheapest to find and export one")
-    from quantlab.gate.checks import check_gate
-
-    check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
-    if cfg.stop_after is not None and cfg.stop_after not in STAGES:
-        raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
 
 
 def check_options_take_effect(cfg: Config, engine) -> None:
@@ -122,6 +137,7 @@ def check_options_take_effect(cfg: Config, engine) -> None:
 
 
 def check_device(cfg: Config, device: Device) -> None:
+    """The precision and KV format must have their GEMMs on this GPU (exit 2 naming the precisions it runs)."""
     precision, kv = precision_of(cfg.precision), kv_format(cfg.kv_cache)
     needs = [c for c in (precision.min_capability, kv.min_capability) if c]
     if device.type == "cuda" and needs and device.capability < max(needs):
@@ -166,6 +182,7 @@ def check_inputs(r) -> dict | None:
 
 
 def check_lengths(cfg: Config, max_positions: int | None) -> None:
+    """calib.seq_len and eval.seq_len within the model's maximum positions."""
     for knob, value in (("calib.seq_len", cfg.calib.seq_len), ("eval.seq_len", cfg.eval.seq_len)):
         if max_positions and value > max_positions:
             raise QuantlabError(f"{knob}={value} is over the model's max positions ({max_positions})",

@@ -56,7 +56,7 @@ class Export:
 
     def modules(self) -> list[str]:
         """The quantized modules (those with a weight_scale), in layer order."""
-        from quantlab.audit import _natural
+        from quantlab.audit.report import _natural
 
         return sorted((n[: -len(".weight_scale")] for n in self.tensors if n.endswith(".weight_scale")), key=_natural)
 
@@ -435,7 +435,7 @@ def test_w4a8_engine_matches_modelopt_fakequant(exports, tiny_llama):
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
     from quantlab.artifacts import Artifact
-    from quantlab.audit import _canary_ids
+    from quantlab.audit.canary import _canary_ids
     from quantlab.engines.torch_engine import load_exported
     from quantlab.env import resolve_device
     from quantlab.gate.metrics import compare_positions
@@ -589,7 +589,7 @@ def test_cli_unusable_input_exits_2(exports, tiny_llama, tmp_path):
 
 
 def test_cli_interrupt_exits_130(monkeypatch, capsys, exports):
-    import quantlab.audit as audit_module
+    import quantlab.audit.__main__ as audit_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

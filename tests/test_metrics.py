@@ -205,6 +205,6 @@ def test_power_warning_only_for_undecided_checks():
         return Check("top1_agreement >= 0.9", "threshold", "top1_agreement", 0.5, 0.9, ">=", verdict == "pass",
                      -0.4, verdict, [0.3, 0.7], 0.95, 0.2, "share", 8)
 
-    assert power_warnings([check("undecided")], {}) and "Raise eval.max_windows" in power_warnings(
-        [check("undecided")], {})[0]
-    assert power_warnings([check("fail")], {}) == [] and power_warnings([check("pass")], {}) == []
+    assert power_warnings([check("undecided")]) and "Raise eval.max_windows" in power_warnings(
+        [check("undecided")])[0]
+    assert power_warnings([check("fail")]) == [] and power_warnings([check("pass")]) == []

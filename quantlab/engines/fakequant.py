@@ -9,7 +9,8 @@ from quantlab.engines.hf import HFModelEngine
 JITTER = 1e-6  # relative input noise of the jitter rung (at least the compute dtype's eps)
 
 
-def plain(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+def plain(_engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+    """engine=fakequant: ModelOpt's fake-quant model as calibrated."""
     return HFModelEngine(inputs.calibrated_model(), limits, "fakequant")
 
 
@@ -27,11 +28,12 @@ def exported_model(inputs):
     return model
 
 
-def as_exported(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+def as_exported(_engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+    """The fake-quant model after the transformations export applies (attribution rung)."""
     return HFModelEngine(exported_model(inputs), limits, "fakequant_exported")
 
 
-def jittered(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+def jittered(_engine_cfg, inputs, limits: Limits) -> HFModelEngine:
     """The as-exported fake-quant model with embeddings scaled by (1 + s N(0,1)), s = max(1e-6, the compute
     dtype's eps): how far a quantized model's top-1 moves under rounding-sized noise. No engine that is not
     bit-identical to fake-quant can be expected to agree with it better."""

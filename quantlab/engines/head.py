@@ -27,6 +27,7 @@ class HiddenCapture(nn.Module):
         self.hidden = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Record the hidden states; return an empty [B, T, 0] in place of logits."""
         self.hidden = h
         return h.new_empty(*h.shape[:-1], 0)
 
@@ -56,6 +57,7 @@ class Head:
 
     @classmethod
     def of(cls, model: nn.Module) -> Head:
+        """The head of a model: its output embedding and the family's post-processing (from its config)."""
         module = model.get_output_embeddings()
         weight = getattr(module, "weight", None)
         if module is None or not isinstance(weight, torch.Tensor):
@@ -66,6 +68,7 @@ class Head:
 
     @classmethod
     def from_weights(cls, weight: torch.Tensor, bias: torch.Tensor | None, post) -> Head:
+        """A head from stored weights (the reference's cached head)."""
         def raw(h):
             return nn.functional.linear(h.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
 
@@ -73,6 +76,7 @@ class Head:
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states h [..., H]: the raw head, then the family's post-processing; float32."""
         logits = self.raw(h.to(self.device))
         if self.post is not None:
             kind, c = self.post
@@ -114,11 +118,13 @@ class CapturedHead:
         setattr(self.parent, self.attr, self.holder)
 
     def take(self) -> torch.Tensor:
+        """The hidden states of the last forward pass (handed out once)."""
         hidden, self.holder.hidden = self.holder.hidden, None
         return hidden
 
     @contextmanager
     def original(self):
+        """Put the real output module back for the duration of a with-block."""
         setattr(self.parent, self.attr, self.module)
         try:
             yield

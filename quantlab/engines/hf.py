@@ -46,10 +46,11 @@ class HFModelEngine(Engine):
         self._verified = True
 
     def close(self) -> None:
+        """Release the model."""
         del self.model, self.captured
 
 
-def reference(engine_cfg, inputs, limits: Limits) -> HFModelEngine:
+def reference(_engine_cfg, inputs, limits: Limits) -> HFModelEngine:
     """engine=reference: the unquantized model as its own candidate."""
     return HFModelEngine(inputs.reference_model(), limits, "reference")
 
@@ -62,7 +63,7 @@ class RouterCapture:
         self.taken: list = []
         self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
-    def _hook(self, module, args, output):
+    def _hook(self, _module, _args, output):
         if isinstance(output, tuple) and len(output) >= 3:
             self.taken.append(output[2].detach())
 

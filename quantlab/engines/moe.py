@@ -19,6 +19,7 @@ ROLES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 
 
 def is_fused_experts(module: nn.Module) -> bool:
+    """Whether a module holds experts as fused 3-D parameters (transformers 5's layout)."""
     return isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) and \
         isinstance(getattr(module, "down_proj", None), torch.Tensor) and getattr(module, "num_experts", None)
 
@@ -34,6 +35,7 @@ class QuantExperts(nn.Module):
         self.num_experts = len(gate)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Route each token to its top-k experts and sum their weighted outputs."""
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
             if expert >= self.num_experts:

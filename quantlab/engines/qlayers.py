@@ -136,6 +136,7 @@ class QuantLinear(nn.Module):
         return checked_scale(name, t, shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> y [..., N] in x's dtype: the format's matmul on the rows, then the bias."""
         shape = x.shape
         y = self._matmul(x.reshape(-1, shape[-1]))
         if self.bias is not None:
@@ -143,6 +144,7 @@ class QuantLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        """Widths and kernel, for print(model)."""
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
 
 
@@ -165,12 +167,14 @@ class Fp8Linear(QuantLinear):
         self.shared: SharedActivation | None = None  # set when siblings read the same activation
 
     @classmethod
-    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, _fmt, ctx):
+        """E4M3 weight [N, K], per-tensor weight_scale and input_scale, bias."""
         return cls(t.get(f"{name}.weight", torch.float8_e4m3fn, (out_features, in_features)),
                    cls._scale(f"{name}.weight_scale", t, ()), cls._scale(f"{name}.input_scale", t, ()),
                    cls._bias(name, out_features, has_bias, t), ctx.native_fp8)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """weight x weight_scale."""
         return self.weight.float() * self.weight_scale
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,12 +207,14 @@ class Fp8PcPtLinear(QuantLinear):
             self.register_buffer("weight_f32", weight.float())
 
     @classmethod
-    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, _fmt, ctx):
+        """E4M3 weight [N, K] with one weight_scale per output channel, bias."""
         return cls(t.get(f"{name}.weight", torch.float8_e4m3fn, (out_features, in_features)),
                    cls._scale(f"{name}.weight_scale", t, (out_features,)), cls._bias(name, out_features, has_bias, t),
                    ctx.native_fp8)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """weight x its output channel's scale."""
         return self.weight.float() * self.weight_scale.reshape(-1, 1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,13 +246,15 @@ class Int8SqLinear(QuantLinear):
         self.register_buffer("pre_quant_scale", pre_quant_scale.float().reshape(-1))
 
     @classmethod
-    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, _fmt, _ctx):
+        """int8 weight [N, K], per-channel weight_scale, per-tensor input_scale, pre_quant_scale [K], bias."""
         n, k = out_features, in_features
         return cls(t.get(f"{name}.weight", torch.int8, (n, k)), cls._scale(f"{name}.weight_scale", t, (n,)),
                    cls._scale(f"{name}.input_scale", t, ()), cls._scale(f"{name}.pre_quant_scale", t, (k,)),
                    cls._bias(name, n, has_bias, t))
 
     def dequantized_weight(self) -> torch.Tensor:
+        """weight x its output channel's scale (before pre_quant_scale)."""
         return self.weight.float() * self.weight_scale[:, None]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,6 +286,7 @@ class Int4AwqLinear(QuantLinear):
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        """int4 codes packed [N/2, K], group scales [N, K/group_size], optional pre_quant_scale [K], bias."""
         n, k, block = out_features, in_features, checked_group_size(name, in_features, fmt.group_size)
         pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
         return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)),
@@ -285,6 +294,7 @@ class Int4AwqLinear(QuantLinear):
                    block, pqs, cls._bias(name, n, has_bias, t), ctx.compute_dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The weight as dequantized at load (before pre_quant_scale)."""
         return self.weight.float()
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,6 +334,7 @@ class SharedActivation:
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         # tensors made under torch.inference_mode keep no version counter (and cannot be changed in place outside it)
+        """The FP8 activation of x: quantized by the first sibling that reads it, reused by the others."""
         key = (x.data_ptr(), tuple(x.shape), x.stride(), -1 if x.is_inference() else x._version)
         if self._held is None or self._held[1] != key:
             self._held = [x, key, fp8_quantize(x, self.inv_scale), self.siblings]
@@ -369,6 +380,7 @@ class Fp8GatedMLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) with the FP8 arithmetic of three Fp8Linear layers."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
@@ -445,6 +457,8 @@ class W4A8AwqLinear(QuantLinear):
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+        """int4 codes packed [N/2, K], group scales, per-tensor weight_scale_2 and input_scale, optional
+        pre_quant_scale, bias."""
         n, k, block = out_features, in_features, checked_group_size(name, in_features, fmt.group_size)
         packed = t.get(f"{name}.weight", torch.uint8, (n // 2, k))
         scale = cls._scale(f"{name}.weight_scale", t, (n, k // block))
@@ -456,6 +470,7 @@ class W4A8AwqLinear(QuantLinear):
                    cls._bias(name, n, has_bias, t), ctx.native_fp8)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The FP8-held weight x weight_scale_2."""
         return self.weight.float() * self.weight_scale_2
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -539,7 +554,9 @@ class Nvfp4Linear(QuantLinear):
         return e2m1_decode(codes) * scales
 
     @classmethod
-    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
+    def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, _ctx):
+        """E2M1 codes packed [N, K/2], E4M3 block scales [N, K/16], weight_scale_2, input_scale, optional
+        pre_quant_scale, bias."""
         n, k, block = out_features, in_features, fmt.group_size or NVFP4_BLOCK
         if k % block or k % 2:
             raise QuantlabError(f"{name}: NVFP4 group_size {block} does not divide its input width {k}",
@@ -554,6 +571,7 @@ class Nvfp4Linear(QuantLinear):
                    cls._bias(name, n, has_bias, t), block)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The weight as dequantized at load (exact)."""
         return self.weight
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantlab.checkpoint import CheckpointTensors, QuantConfig, read_quant_config
+from quantlab.checkpoint import QUANTIZED_DTYPES, CheckpointTensors, QuantConfig, read_quant_config
 from quantlab.config import DEVICE_MAPS
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
@@ -26,7 +26,6 @@ from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
 ATTN_NAME = "quantlab_fp8_kv_{}"  # one registered name per base implementation (its mask builder differs)
-QUANTIZED_DTYPES = ("F8_E4M3", "I8", "U8")
 
 
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
@@ -38,6 +37,7 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 # ------------------------------------------------------------------------------------------------ steps
 def check_formats(quant: QuantConfig, ckpt: Path) -> None:
+    """Every format the checkpoint declares must have a QLAYERS class (exit 2 naming the others)."""
     unsupported = sorted(a for a in quant.algos() if a not in QLAYERS)
     if unsupported or not quant.algos():
         raise QuantlabError(f"engine=torch runs {', '.join(QLAYERS)}; checkpoint {ckpt} is "
@@ -113,7 +113,7 @@ def swap_quantized_linears(model: nn.Module, t: CheckpointTensors, quant: QuantC
     return replaced
 
 
-def load_plain_weights(model: nn.Module, t: CheckpointTensors, config, dtype, where, to_disk: dict[str, str]) -> None:
+def load_plain_weights(model: nn.Module, t: CheckpointTensors, dtype, where, to_disk: dict[str, str]) -> None:
     """Everything else (embeddings, norms, routers, lm_head, unquantized layers) is plain high-precision weights,
     read under its checkpoint name. Tied weights and non-persistent buffers are not demanded from the files."""
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -154,6 +154,7 @@ def rebuild_buffers(model: nn.Module, where) -> None:
 
 
 def check_materialized(model: nn.Module, ckpt: Path) -> None:
+    """Every parameter and buffer was loaded or rebuilt (none left on the meta device)."""
     leftover = [k for k, v in list(model.named_parameters()) + list(model.named_buffers()) if v.device.type == "meta"]
     if leftover:
         raise QuantlabError(f"exported checkpoint {ckpt} does not provide {', '.join(leftover[:5])}",
@@ -224,6 +225,7 @@ def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, w
 
 
 def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None:
+    """Spread the model over the GPUs of an accelerate device map (None: one device); the devices used."""
     if dmap is None:
         return None
     from accelerate import dispatch_model
@@ -248,7 +250,7 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None
     if not replaced and not experts:
         raise QuantlabError(f"checkpoint {ckpt} says {quant.quant_algo} but no layer has a weight_scale tensor",
                             fix="re-export the checkpoint")
-    load_plain_weights(model, tensors, config, dtype, where, to_disk)
+    load_plain_weights(model, tensors, dtype, where, to_disk)
     rebuild_buffers(model, where)
     check_materialized(model, ckpt)
     kv = apply_kv_cache(model, tensors, quant, where, to_memory)
@@ -274,7 +276,7 @@ class TorchEngine(HFModelEngine):
         self.plan = plan
 
 
-def build(engine_cfg, inputs, limits: Limits) -> TorchEngine:
+def build(_engine_cfg, inputs, limits: Limits) -> TorchEngine:
     """Load the exported checkpoint; the engine manifest (plan + limits) is stored and reused."""
     from quantlab.artifacts import write_json_atomic
     from quantlab.env import versions

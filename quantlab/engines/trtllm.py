@@ -21,11 +21,13 @@ BACKENDS = ("pytorch", "tensorrt")
 
 
 def check_available() -> None:
+    """TensorRT-LLM must import here (exit 2 with install instructions otherwise)."""
     if importlib.util.find_spec("tensorrt_llm") is None:
         raise QuantlabError("engine=trtllm needs TensorRT-LLM, which is not installed here", fix=INSTALL_HINT)
 
 
 def check_backend(cfg) -> None:
+    """engine.trtllm_backend must be one TensorRT-LLM has."""
     if cfg.trtllm_backend not in BACKENDS:
         raise QuantlabError(f"engine.trtllm_backend={cfg.trtllm_backend!r} is unknown",
                             fix=f"use one of {', '.join(BACKENDS)}")
@@ -52,6 +54,7 @@ def llm_kwargs(cfg, checkpoint: Path, limits: Limits, kv_cache_quant_algo: str |
 
 
 class TrtllmEngine(Engine):
+    """The exported checkpoint run by TensorRT-LLM's LLM API (logits of prompt positions)."""
     name = "trtllm"
 
     def __init__(self, llm, limits: Limits):
@@ -67,10 +70,12 @@ class TrtllmEngine(Engine):
         return Outputs(logits=torch.stack([o.context_logits.float() for o in outputs]).to("cuda"))
 
     def close(self) -> None:
+        """Shut the LLM down (it holds GPU memory and worker processes)."""
         self.llm.shutdown()
 
 
 def build(cfg, ctx, limits: Limits) -> TrtllmEngine:
+    """engine=trtllm: TensorRT-LLM's LLM over the exported checkpoint, with the run's limits and KV cache."""
     check_available()
     import tensorrt_llm
     from tensorrt_llm import LLM

@@ -273,7 +273,7 @@ def finish(checks: list[Check], at_cap: bool) -> list[Check]:
     return checks
 
 
-def power_warnings(checks: list[Check], thresholds: dict[str, Threshold]) -> list[str]:
+def power_warnings(checks: list[Check]) -> list[str]:
     """Undecided checks whose design could not tell even an ideal candidate from one on the threshold at the windows
     used (a check decided either way needs no such warning: the verdict was seen)."""
     out = []
@@ -347,7 +347,7 @@ def baseline_checks(base: dict, windows: dict, measured: dict, alpha: float) -> 
 def verdict(cfg: GateConfig, thresholds: dict[str, Threshold], checks: list[Check], design: stats.Design, look: int,
             windows: dict, measured: dict, provenance: dict) -> dict:
     """The gate section of metrics.json: the design, every check, the verdict and warnings."""
-    warnings = power_warnings(checks, thresholds)
+    warnings = power_warnings(checks)
     section: dict = {"thresholds": {k: asdict(v) for k, v in thresholds.items()},
                      "design": {"alpha": design.alpha, "beta": design.beta, "spending": design.kind,
                                 "gamma": design.gamma if design.kind == "hsd" else None, "looks": list(design.looks),

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 @dataclass
 class Threshold:
+    """One metric's bounds (min and / or max) and, optionally, the position bucket(s) it applies to."""
     min: Optional[float] = None
     max: Optional[float] = None
     bucket: Optional[str] = None  # worst: every position bucket must pass (0-128, 128-512, 512-2k, ...); or one label
@@ -32,6 +33,7 @@ class StatisticalGate:
 class GateConfig:
     # metric -> Threshold fields (min / max / bucket). Plain dicts so a threshold on a new metric can be added from
     # the command line (++gate.thresholds.kl_p99.max=0.5); quantlab.gate.checks validates every key and value.
+    """The gate: thresholds (common and per precision), the statistical design and an optional baseline."""
     thresholds: Dict[str, Any] = field(default_factory=dict)
     per_precision: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     statistical: StatisticalGate = field(default_factory=StatisticalGate)

@@ -56,6 +56,7 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
 
 
 def z(p: float) -> float:
+    """The standard normal quantile of p."""
     from scipy import stats
 
     return float(stats.norm.ppf(p))
@@ -182,9 +183,11 @@ class Design:
 
     @property
     def cap(self) -> int:
+        """The last look's window count (the cap)."""
         return self.looks[-1]
 
     def z_boundary(self, look: int) -> float:
+        """The one-sided z boundary of a look (alpha spending over the looks' information fractions)."""
         fractions = tuple(n / self.cap for n in self.looks)
         return boundaries(fractions, self.alpha, self.kind, self.gamma)[look]
 

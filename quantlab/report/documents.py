@@ -31,6 +31,8 @@ class MetricsDoc(TypedDict, total=False):
 
 
 def metrics_document(run: dict, result, gate: dict, provenance: dict, attribution: dict | None) -> MetricsDoc:
+    """metrics.json of an evaluated run: run, metrics, gate, behaviour panel, buckets, per-window values, generations,
+    provenance and attribution."""
     doc: MetricsDoc = {"schema": METRICS_SCHEMA, "run": run, "metrics": result.metrics, "gate": gate,
                        "behaviour": result.panel, "buckets": result.buckets, "windows": result.windows,
                        "positions": result.positions, "generation": result.generation, "provenance": provenance}
@@ -40,12 +42,14 @@ def metrics_document(run: dict, result, gate: dict, provenance: dict, attributio
 
 
 def write_metrics(run_dir: Path, doc: dict) -> Path:
+    """Write metrics.json into run_dir (atomically)."""
     path = run_dir / "metrics.json"
     write_json_atomic(path, doc)
     return path
 
 
 def write_junit(run_dir: Path, doc: dict) -> Path:
+    """junit.xml: one test case per gate check, failing where the check failed."""
     checks = doc["gate"]["checks"]
     name = f"quantlab.{doc['run']['precision']}.kv-{doc['run']['kv_cache']}"
     suite = ET.Element("testsuite", name=name, tests=str(len(checks)),
@@ -65,6 +69,7 @@ def write_junit(run_dir: Path, doc: dict) -> Path:
 
 
 def fmt(value: float) -> str:
+    """A number for tables: 4 significant digits, - for None, inf / nan spelled out."""
     if value is None:
         return "-"
     if value != value or value in (float("inf"), float("-inf")):
@@ -82,6 +87,7 @@ def check_line(c: dict) -> str:
 
 
 def console_table(doc: dict) -> str:
+    """The metrics table printed at the end of a run."""
     m = doc["metrics"]
     rows = [("metric", "value", "95% CI")]
     for name in TABLE_METRICS:

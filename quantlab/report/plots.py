@@ -30,6 +30,7 @@ def _smooth(y: np.ndarray, width: int) -> np.ndarray:
 
 
 def ppl_per_window(windows: dict) -> str:
+    """Perplexity of reference and candidate per evaluated window (a data URI)."""
     plt = _plt()
     ref, cand = np.exp(windows["nll_reference"]), np.exp(windows["nll_candidate"])
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -44,6 +45,7 @@ def ppl_per_window(windows: dict) -> str:
 
 
 def along_position(positions: dict) -> str:
+    """Top-1 agreement and mean KL along the window's positions (a data URI)."""
     plt = _plt()
     agree, kl = np.asarray(positions["top1_agreement"]), np.asarray(positions["kl_mean"])
     width = max(1, agree.size // 32)
@@ -59,6 +61,7 @@ def along_position(positions: dict) -> str:
 
 
 def kl_histogram(kl_values: np.ndarray) -> str:
+    """Histogram of the per-position KL on a log scale (a data URI)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3))
     values = np.clip(np.asarray(kl_values, dtype=np.float64), 1e-8, None)
@@ -71,11 +74,12 @@ def kl_histogram(kl_values: np.ndarray) -> str:
 
 
 def sqnr_bars(rows: list[dict]) -> str | None:
+    """Weight SQNR per quantized layer (the audit's rows), the five worst in red."""
     if not rows:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, max(3, 0.12 * len(rows))))
-    names = [r["layer"].replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "") for r in rows]
+    names = [r["module"].replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "") for r in rows]
     values = [min(r["sqnr_db"], 80) for r in rows]
     worst = np.argsort(values)[:5]
     colors = ["tab:red" if i in worst else "tab:blue" for i in range(len(rows))]

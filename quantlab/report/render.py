@@ -39,6 +39,7 @@ def fence_escape(value) -> str:
 
 
 def environment() -> Environment:
+    """The Jinja2 environment of every report: HTML autoescaped, Markdown through |md, numbers through |num."""
     env = Environment(loader=PackageLoader("quantlab.report", "templates"),
                       autoescape=select_autoescape(enabled_extensions=("html.j2",), default_for_string=True),
                       undefined=StrictUndefined, trim_blocks=False, lstrip_blocks=False)
@@ -49,6 +50,7 @@ def environment() -> Environment:
 
 
 def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
+    """What the run templates read from metrics.json (and the plots)."""
     gate = doc["gate"]
     return {"run": doc["run"], "gate": gate, "metrics": doc["metrics"], "provenance": doc["provenance"],
             "failed": [c for c in gate["checks"] if not c["passed"]], "baseline": gate.get("baseline"),
@@ -58,18 +60,19 @@ def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
             "argv": " ".join(shlex.quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}
 
 
-def write_run_reports(run_dir: Path, doc: dict, kl_values, checkpoint: Path | None, original: Path) -> dict:
+def write_run_reports(run_dir: Path, doc: dict, kl_values, weight_rows: list[dict]) -> dict:
+    """report.md and report.html of an evaluated run; returns metrics.json's weight_error section. weight_rows: the
+    checkpoint audit's per-layer rows (module, format, cosine, sqnr_db, gain, fold), the one place the weight
+    error of an export is computed ([] when the run has no audited checkpoint)."""
     from quantlab.report import plots
-    from quantlab.report.sqnr import weight_sqnr
 
-    sqnr = weight_sqnr(checkpoint, original) if checkpoint is not None else []
     figures = [("Perplexity per window", plots.ppl_per_window(doc["windows"])),
                ("Top-1 agreement and KL along the window", plots.along_position(doc["positions"])),
                ("Distribution of per-position KL", plots.kl_histogram(kl_values)),
-               ("Weight SQNR per linear layer", plots.sqnr_bars(sqnr))]
+               ("Weight SQNR per linear layer", plots.sqnr_bars(weight_rows))]
     env = environment()
     ctx = context(doc, figures)
     write_text_atomic(run_dir / "report.md", env.get_template("report.md.j2").render(ctx))
     write_text_atomic(run_dir / "report.html", env.get_template("report.html.j2").render(ctx))
-    worst = sorted(sqnr, key=lambda r: r["sqnr_db"])[:5]
-    return {"weight_sqnr_worst": worst, "weight_sqnr_layers": len(sqnr)}
+    worst = sorted(weight_rows, key=lambda r: r["sqnr_db"])[:5]
+    return {"weight_sqnr_worst": worst, "weight_sqnr_layers": len(weight_rows)}

@@ -87,6 +87,7 @@ def recommend(rows: list[dict]) -> dict | None:
 
 
 def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
+    """summary.md, summary.html and summary.json of run directories: one row per run, the recommendation, the plot."""
     rows = [_row(d) for d in run_dirs]
     rows.sort(key=lambda r: (r["size_bytes"] or 0, r["label"]))
     evaluated = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
@@ -106,7 +107,8 @@ def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
 class SweepSummary(Callback):
     """Hydra callback: after a multirun, summarize every run of the sweep (the CLI reads the jobs' exit codes)."""
 
-    def on_multirun_end(self, config, **kwargs) -> None:
+    def on_multirun_end(self, config, **_kwargs) -> None:
+        """Write the sweep's summary once every job has ended."""
         sweep_dir = Path(config.hydra.sweep.dir)
         runs = find_runs([sweep_dir])
         if runs:

@@ -44,7 +44,7 @@ def step(ctx: RunContext) -> Step:
             log.error("audit: [%s] %s", finding.check, finding.message)
         return {"passed": report.passed, "summary": counts}
 
-    def load(art, r, built):
+    def load(art, _r, _built):
         from quantlab.audit import AuditReport
 
         return AuditReport.from_dict(json.loads((art.path / REPORT).read_text(encoding="utf-8")))

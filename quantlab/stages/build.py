@@ -73,7 +73,7 @@ def engine_step(ctx: RunContext) -> Step:
     """stop_after=build: build the engine under test (its build records are stored) and stop."""
     spec = ctx.engine
 
-    def build(out, r) -> dict:
+    def build(_out, r) -> dict:
         engine = build_engine(spec, r)
         engine.close()
         return {"engine": spec.name}

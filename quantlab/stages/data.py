@@ -1,11 +1,11 @@
-"""data: calibration and evaluation token windows from a recipe, read and tokenized only as far as they are needed.
+r"""data: calibration and evaluation token windows from a recipe, read and tokenized only as far as they are needed.
 
 Sources, first match wins: `path` (a local file: plain text, JSON Lines, a JSON array of records, CSV / TSV or
 Parquet, recognized by suffix, case-insensitively, or set with `format`), `dataset` (HF datasets, where available
 locally), else the documentation text Python ships (pydoc_data.topics), split by topic name into a calibration part
 and an evaluation part.
 
-Documents are joined with "\\n\\n" and tokenized as one text, in chunks of about a million characters cut at
+Documents are joined with "\n\n" and tokenized as one text, in chunks of about a million characters cut at
 whitespace (the tokenizer's leading special tokens once, at the start), and cut into non-overlapping windows of
 seq_len tokens (the tail is dropped). Reading stops as soon as the requested windows exist: the evaluation's first
 max_windows windows; calibration draws num_samples windows at random (seeded) from the first pool_windows windows.
@@ -301,7 +301,7 @@ def source(cfg: DataConfig, role: Role) -> Source:
 
 
 def _text_pieces(src: Source) -> Iterator[str]:
-    """The source as one text (documents joined with "\\n\\n"), in pieces of about CHUNK_CHARS cut at whitespace."""
+    r"""The source as one text (documents joined with "\n\n"), in pieces of about CHUNK_CHARS cut at whitespace."""
     buffer, first = "", True
     for doc in src.docs():
         if not src.plain:

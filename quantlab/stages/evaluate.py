@@ -440,7 +440,7 @@ def reference_step(ctx: RunContext) -> Step:
         return reference_key(ctx.store, r.fingerprint("prepare"), r.fingerprint("data:eval"), cfg.eval, ctx.device,
                              ctx.dtype, cfg.gate.statistical.look_windows)
 
-    def load(art, r, built) -> ReferenceOutputs:
+    def load(_art, r, _built) -> ReferenceOutputs:
         evalset, params = r.value("data:eval"), r.value("prepare").num_params
         return ReferenceOutputs(ctx, r.key("reference"), evalset, lambda: build_engine(ENGINES["reference"], r),
                                 lambda n: costs.work(costs.device_label(ctx.device), "reference", params,
@@ -487,7 +487,7 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
                                      n * evalset.seq_len))
         return memo[spec.name]
 
-    def build(out, r) -> EvalResult:
+    def build(_out, r) -> EvalResult:
         from quantlab.models import load_tokenizer
 
         evalset = r.value("data:eval")

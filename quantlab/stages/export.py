@@ -122,7 +122,7 @@ def external_step(ctx: RunContext) -> Step:
     quant_algo / kv_cache or another model is exit 2."""
     path = ctx.external_checkpoint
 
-    def load(art, r, built) -> Artifact:
+    def load(_art, r, _built) -> Artifact:
         found = external(path, ctx.precision.quant_algo, ctx.kv_algo)
         check_pairing(found.path, r.value("prepare"))
         log.info("export: evaluating the checkpoint made elsewhere, %s", found.path)

@@ -155,8 +155,8 @@ def expert_token_counts(model):
     routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
     counts = ExpertCounts()
 
-    def hook(name, module):
-        def count(mod, args, output):
+    def hook(name, _module):
+        def count(mod, _args, output):
             if counts.first_pass_done or not (isinstance(output, tuple) and len(output) >= 3):
                 return
             experts = getattr(mod, "num_experts", None) or mod.weight.shape[0]

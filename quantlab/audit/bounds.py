@@ -1,0 +1,29 @@
+"""The bounds the audit holds each format to, read from the precision registry (every precision states its own:
+quantlab.precisions.AuditBounds), and the figures that are format-independent (gain, report caps)."""
+from __future__ import annotations
+
+from quantlab.precisions import CanaryBounds, WeightBounds, precision_by_algo
+
+# formats quantlab has no precision for (a checkpoint made elsewhere): loose, so only gross damage is an error
+DEFAULT_WEIGHT_BOUNDS = WeightBounds(cosine_error=0.9, sqnr_error_db=6.0, sqnr_warn_db=9.0)
+DEFAULT_CANARY_BOUNDS = CanaryBounds(top1_error=0.5, top1_warn=0.65, kl_error=1.0, kl_warn=0.5)
+GAIN_ERROR = 0.15  # |gain - 1| over this: the scales are off by a constant factor (halved scales: gain 2)
+GAIN_WARN = 0.05
+SQNR_CAP, GAIN_CAP = 999.0, 1e6  # report figures stay finite (strict JSON): an exact match reads 999 dB
+
+
+def weight_bounds(algo: str) -> WeightBounds:
+    """The per-layer bounds of a format: its precision's, or a loose default for formats quantlab does not make."""
+    precision = precision_by_algo(algo)
+    return precision.audit.weights if precision is not None and precision.audit else DEFAULT_WEIGHT_BOUNDS
+
+
+def canary_bounds(algos: set[str]) -> CanaryBounds:
+    """The loosest bounds among the formats present (a mixed export is judged by its most aggressive format)."""
+    found = []
+    for algo in algos:
+        precision = precision_by_algo(algo)
+        found.append(precision.audit.canary if precision is not None and precision.audit else DEFAULT_CANARY_BOUNDS)
+    found = found or [DEFAULT_CANARY_BOUNDS]
+    return CanaryBounds(min(b.top1_error for b in found), min(b.top1_warn for b in found),
+                        max(b.kl_error for b in found), max(b.kl_warn for b in found))

@@ -1,0 +1,94 @@
+"""canary: a few windows of held-out text through the exported checkpoint run with deployment numerics and through
+the reference; top-1 agreement and mean KL against the bounds of the formats present."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+from quantlab.audit.bounds import canary_bounds
+from quantlab.audit.report import ERROR, INFO, WARNING
+from quantlab.audit.state import AuditState
+from quantlab.errors import QuantlabError
+
+
+def check_canary(a: AuditState, windows: int, tokens: int) -> None:
+    """The logits canary: windows x tokens of held-out text through the export (deployment numerics) and the reference;
+    an error or warning outside the bounds of the formats present."""
+    import torch
+
+    from quantlab.engines.qlayers import QLAYERS
+    from quantlab.engines.torch_engine import load_exported
+    from quantlab.gate.metrics import compare_positions
+    from quantlab.models import load_model, load_tokenizer
+
+    algos = a.quant.algos()
+    unknown = sorted(a for a in algos if a not in QLAYERS)
+    if unknown:
+        a.skipped.append(f"canary: engine=torch does not run {', '.join(unknown)}")
+        return
+    start = time.time()
+    ids = _canary_ids(load_tokenizer(a.ref), windows, tokens)
+    with torch.no_grad():
+        reference = load_model(a.ref, a.device, a.dtype)
+        ref_logits = reference(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
+        del reference  # one model in memory at a time
+        try:
+            model, _ = load_exported(a.ckpt, a.device, a.dtype)
+        except QuantlabError as exc:
+            a.add(ERROR, "canary", [], f"the export does not load with deployment numerics: {exc.problem}",
+                     "see the tensor findings above; an engine would refuse this checkpoint")
+            return
+        logits = model(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
+        del model
+    cmp = compare_positions(ref_logits[:, :-1], logits[:, :-1], ids[:, 1:])
+    agree = (cmp["argmax_ref"] == cmp["argmax_cand"]).float()
+    finite = bool(torch.isfinite(logits).all())
+    kl = cmp["kl"].float()
+    top1, kl_mean = float(agree.mean()), float(kl.mean()) if finite else math.inf
+    nll_gap = float(cmp["nll_cand"].mean() - cmp["nll_ref"].mean()) if finite else math.inf
+    ppl_ratio = math.exp(nll_gap) if nll_gap < 700 else math.inf
+    b = canary_bounds(algos)
+    a.canary = {"windows": int(ids.shape[0]), "tokens": int(ids.shape[1]), "positions": int(agree.numel()),
+                   "top1": top1, "kl_mean": _finite(kl_mean), "kl_p99": _finite(float(kl.quantile(0.99))),
+                   "ppl_ratio": _finite(ppl_ratio), "finite": finite, "bounds": asdict(b),
+                   "seconds": round(time.time() - start, 2)}
+    text = (f"top-1 agreement {top1:.3f}, mean KL {kl_mean:.4f} nats, perplexity ratio {ppl_ratio:.3f} over "
+            f"{agree.numel()} positions ({ids.shape[0]} x {ids.shape[1]} tokens)")
+    if not finite or top1 < b.top1_error or kl_mean > b.kl_error:
+        a.add(ERROR, "canary", [], f"the exported checkpoint's logits diverge from the reference: {text}; "
+                 f"healthy {'/'.join(sorted(algos))} exports stay above top-1 {b.top1_error} and below KL "
+                 f"{b.kl_error}", "a broken layer the tensor checks cannot see (activation or KV scales that "
+                 "saturate, layers in the wrong order) or one they reported above")
+    elif top1 < b.top1_warn or kl_mean > b.kl_warn:
+        a.add(WARNING, "canary", [], f"the exported checkpoint's logits are further from the reference than "
+                 f"healthy exports of its format: {text} (warn below top-1 {b.top1_warn} / over KL {b.kl_warn})",
+                 "a format too aggressive for this model, or a partly broken layer: run the evaluation")
+    else:
+        a.add(INFO, "canary", [], f"logits canary: {text}")
+
+
+def _finite(x: float) -> float | None:
+    """A figure for the JSON report: None where it is not finite (the report stays strict JSON)."""
+    return x if math.isfinite(x) else None
+
+
+def _canary_ids(tokenizer, windows: int, tokens: int):
+    """windows x tokens ids of Python's own documentation (pydoc_data.topics, always offline), the topics taken from
+    the end of the sorted list (calibration recipes and the test models' training start at the beginning)."""
+    from pydoc_data.topics import topics
+
+    import torch
+
+    names = sorted(topics)[::-1]
+    text, want = "", windows * tokens * 16  # characters: more than enough at any tokenizer's chars per token
+    for name in names:
+        if len(text) >= want:
+            break
+        text += topics[name].strip() + "\n\n"
+    ids = tokenizer(text[:want])["input_ids"]
+    per = min(tokens, len(ids) // windows)
+    if per < 2:
+        raise QuantlabError("the reference tokenizer gives too few tokens for the canary",
+                            fix="check the reference's tokenizer, or run with --no-canary")
+    return torch.tensor(ids[: windows * per]).view(windows, per)

@@ -1,0 +1,89 @@
+"""The audit of one checkpoint: open it (refusing what cannot be audited at all), then each family of checks over
+one AuditState, in order, each timed."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from quantlab.audit import canary as canary_checks
+from quantlab.audit import coverage, metadata, scales, weights
+from quantlab.audit import tensors as tensor_checks
+from quantlab.audit.report import CHECKS, INFO, SEVERITIES, AuditReport
+from quantlab.audit.state import AuditState, read_json
+from quantlab.checkpoint import CheckpointTensors, QuantConfig, read_quant_config
+from quantlab.errors import QuantlabError
+from quantlab.models import ModelRef
+
+
+def _reference(reference) -> Any:
+    """A ModelRef for the reference: given, or built from a directory with prepare's checks (a causal LM,
+    unquantized, safetensors matching config.json, a tokenizer that loads)."""
+    if reference is None or isinstance(reference, ModelRef):
+        return reference
+    path = Path(reference).expanduser()
+    if not path.exists():
+        raise QuantlabError(f"reference {path} does not exist",
+                            fix="pass --reference the directory of the unquantized HF model the export was made from")
+    return ModelRef.from_path(path)
+
+
+def open_checkpoint(checkpoint: str | Path) -> tuple[Path, QuantConfig, dict, CheckpointTensors]:
+    """(directory, hf_quant_config.json, config.json, tensors) of an export, or QuantlabError naming what makes it
+    unusable: no such directory, no hf_quant_config.json or config.json, damaged JSON or safetensors headers.
+    Nothing heavy is imported: bad input is refused in well under a second."""
+    ckpt = Path(checkpoint).expanduser()
+    if not ckpt.is_dir():
+        raise QuantlabError(f"checkpoint {ckpt} is not a directory" if ckpt.exists() else
+                            f"checkpoint {ckpt} does not exist",
+                            fix="pass the directory export_hf_checkpoint() wrote (hf_quant_config.json + safetensors)")
+    quant = read_quant_config(ckpt, required=True)
+    config = read_json(ckpt / "config.json", "config")
+    if config is None:
+        raise QuantlabError(f"{ckpt} has no config.json, so no engine can build its model",
+                            fix="point at the directory export_hf_checkpoint() wrote (it writes config.json)")
+    return ckpt, quant, config, CheckpointTensors(ckpt)
+
+
+def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary_windows: int = 2,
+          canary_tokens: int = 128, device=None, dtype=None) -> AuditReport:
+    """Audit an exported checkpoint (a directory with hf_quant_config.json, config.json and safetensors) against
+    its unquantized reference (a directory or a quantlab ModelRef; None skips the checks that need it). The
+    canary (needs the reference) runs on `device` (default: cuda if present, else cpu) in `dtype` (default: the
+    device's: float32 on CPU; `device` may be a quantlab Device or a spec such as "cpu"). Raises QuantlabError when
+    the input cannot be audited at all."""
+    from quantlab.env import resolve_device, resolve_dtype
+
+    start = time.time()
+    if canary_windows < 1 or canary_tokens < 2:
+        raise QuantlabError(f"a canary of {canary_windows} window(s) x {canary_tokens} token(s) is empty",
+                            fix="use at least 1 window of 2 tokens, or turn the canary off")
+    ckpt, quant, config, tensors = open_checkpoint(checkpoint)
+    ref = _reference(reference)
+    device = resolve_device(device or "auto") if device is None or isinstance(device, str) else device
+    dtype = dtype or resolve_dtype("auto", device)
+    timings: dict[str, float] = {"setup": 0.0}
+    run = AuditState(ckpt, quant, config, tensors, ref, device, dtype)
+    timings["setup"] = round(time.time() - start, 3)
+    steps = [("metadata", metadata.check_metadata), ("coverage", coverage.check_coverage),
+             ("scales", scales.check_scales), ("kv_cache", scales.check_kv_cache),
+             ("format_weights", weights.check_layers), ("tensors", tensor_checks.check_tensors)]
+    if canary and ref is not None:
+        steps.append(("canary", lambda a: canary_checks.check_canary(a, canary_windows, canary_tokens)))
+    elif canary:
+        run.skipped.append("canary: needs the reference model (--reference)")
+    else:
+        run.skipped.append("canary: turned off")
+    for name, fn in steps:
+        t0 = time.time()
+        fn(run)
+        timings[name] = round(time.time() - t0, 3)
+    if ref is None:
+        run.add(INFO, "weights", [], "no reference model given: dequantized weights, dropped tensors against the "
+                "reference, tokenizer / config changes and the logits canary were not checked",
+                "pass --reference MODEL_DIR (the unquantized model the export was made from) to check them")
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    findings = sorted(run.findings, key=lambda f: (order[f.severity], CHECKS.index(f.check)))
+    timings["total"] = round(time.time() - start, 3)
+    return AuditReport(str(ckpt), str(ref.path) if ref else None, quant.quant_algo, quant.kv_cache_quant_algo,
+                       findings, timings, run.layers, run.canary, run.skipped)

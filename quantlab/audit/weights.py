@@ -1,0 +1,265 @@
+"""format and weights: every quantized layer built by the QLAYERS class of its declared format (a wrong dtype, shape
+or missing tensor named), and, with a reference, its dequantized weight against the reference weight (cosine, SQNR,
+gain) within the bounds its precision states."""
+from __future__ import annotations
+
+import math
+
+from quantlab.audit.bounds import GAIN_CAP, GAIN_ERROR, GAIN_WARN, SQNR_CAP, weight_bounds
+from quantlab.audit.coverage import check_fused_groups
+from quantlab.audit.layout import _Probe, block_of
+from quantlab.audit.report import ERROR, INFO, WARNING
+from quantlab.audit.state import SCALE_SUFFIXES, AuditState
+from quantlab.checkpoint import FLOAT_DTYPES, CheckpointTensors, LayerFormat
+from quantlab.errors import QuantlabError
+
+_MISSING_CAUSE = {
+    "input_scale": "its input (activation) quantizer was never calibrated (an MoE expert that received no calibration "
+                   "tokens, a layer the forward loop never reached): static activation quantization has no scale",
+    "weight_scale": "export wrote codes without their scales (a quantizer without amax)",
+    "weight_scale_2": "the per-tensor second-level scale was not written: the block scales cannot be dequantized",
+    "pre_quant_scale": "the smoothing scale was neither written nor folded into a norm",
+}
+
+
+def check_layers(a: AuditState) -> None:
+    """Build every quantized layer with the QLAYERS class of its declared format ("format"), then compare its
+    dequantized weight with the reference ("weights")."""
+    import torch
+
+    from quantlab.engines.qlayers import QLAYERS, LayerContext
+
+    ctx = LayerContext("cpu", False, torch.float32)
+    refusals: dict[tuple, list] = {}
+    unknown: dict[str, list] = {}
+    stats: list[dict] = []
+    for module in a.quantized_modules():
+        fmt: LayerFormat = a.declared[module]
+        if fmt.quant_algo not in QLAYERS:
+            unknown.setdefault(fmt.quant_algo, []).append(module)
+            continue
+        out_f, in_f, has_bias = a.layout.linears[module]
+        probe = _Probe(a.t)
+        try:
+            layer = QLAYERS[fmt.quant_algo].from_checkpoint(module, out_f, in_f, has_bias, probe, fmt, ctx)
+        except QuantlabError as exc:
+            _refused(module, fmt, probe.refusal, exc, refusals)
+            continue
+        except (RuntimeError, ValueError, IndexError) as exc:  # tensors the format cannot even unpack
+            _refused(module, fmt, None, QuantlabError(f"{type(exc).__name__}: {str(exc)[:160]}"), refusals)
+            continue
+        if a.ref_index is not None:
+            row = _compare_weight(a, module, fmt, layer)
+            if row:
+                stats.append(row)
+        del layer
+    _report_refusals(a, refusals)
+    for algo, modules in unknown.items():
+        a.add(INFO, "format", modules, f"{len(modules)} layer(s) in format {algo}, which quantlab cannot "
+                 f"dequantize (it knows {', '.join(QLAYERS)}): their scales' shapes and weights were not audited")
+    check_fused_groups(a)
+    a.layers = stats
+    if a.ref_index is None:
+        a.skipped.append("weights: dequantized weights vs the reference (no --reference)")
+        return
+    _judge_weights(a, stats)
+
+
+def _refused(module: str, fmt: LayerFormat, refusal, exc: QuantlabError, out: dict) -> None:
+    """Group a layer's refusal with others of the same kind: (check, kind, declared format, tensor suffix, what
+    was found) -> [(module, one line about it)]."""
+    algo, group = fmt.quant_algo, f" group_size {fmt.group_size}" if fmt.group_size else ""
+    if refusal is None:  # refused on values (reported by the scales check) or on the group size
+        if "non-positive or non-finite" not in exc.problem:
+            out.setdefault(("format", "unreadable", f"{algo}{group}", "", ""), []).append((module, exc.problem))
+        return
+    kind, tensor, found, wanted = refusal
+    suffix = tensor.rpartition(".")[2]
+    check = "scales" if suffix in SCALE_SUFFIXES else "format"
+    if kind == "missing":
+        out.setdefault((check, "missing", algo, suffix, ""), []).append((module, tensor))
+    elif kind == "dtype":
+        out.setdefault(("format", "dtype", algo, suffix, found), []).append((module, f"{tensor} ({found}, "
+                                                                                     f"{algo} stores {wanted})"))
+    else:
+        out.setdefault((check, "shape", f"{algo}{group}", suffix, ""), []).append(
+            (module, f"{tensor} has shape {found}, {algo}{group} needs {wanted}"))
+
+
+def _report_refusals(a: AuditState, refusals: dict) -> None:
+    for (check, kind, algo, suffix, found), entries in refusals.items():
+        modules, example, n = [m for m, _ in entries], entries[0][1], len(entries)
+        if kind == "unreadable":
+            a.add(ERROR, check, modules, f"{n} layer(s) cannot be read as {algo}: {example}",
+                     "hf_quant_config.json does not match the tensors")
+        elif kind == "missing":
+            a.add(ERROR, check, modules, f"{n} layer(s) declared {algo} have no {suffix} tensor (e.g. "
+                     f"{example})", _MISSING_CAUSE.get(suffix, "export did not write it"))
+        elif kind == "dtype":
+            key = (algo, suffix, found)
+            if key not in a._like:
+                a._like[key] = _looks_like(a.t, modules[0], a.layout.linears[modules[0]],
+                                              a.declared[modules[0]])
+            like = f"; the tensors read as {a._like[key]}" if a._like[key] else ""
+            a.add(ERROR, check, modules, f"{n} layer(s) declared {algo} store their {suffix} as {found} "
+                     f"(e.g. {example}){like}",
+                     "hf_quant_config.json declares another format than the one written (an edited config, a "
+                     "config from another export, or a mixed-precision export whose per-layer list is wrong): "
+                     "engines misread every such layer")
+        else:
+            a.add(ERROR, check, modules, f"{n} layer(s): {suffix} shapes do not match {algo} (e.g. {example})",
+                     "the group size in hf_quant_config.json is not the one the weights were quantized with, or "
+                     "scales were transposed / concatenated wrongly (fused layers, sharded writers)")
+
+
+def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict | None:
+    """The layer's stored weight against the reference in the space the quantizer worked in: a smoothed layer
+    stores W / s (s its pre_quant_scale, or the scale export folded into the norm ahead of it), so the
+    dequantized weight is compared with W_ref / s, where every output channel's error is the quantizer's own."""
+    ref_w = a.ref_tensor(f"{module}.weight")
+    if ref_w is None:
+        return None
+    ref_w = ref_w.float()
+    deq = layer.dequantized_weight().float()
+    if deq.shape != ref_w.shape:
+        a.add(ERROR, "weights", [module], f"dequantized weight has shape {list(deq.shape)}, the reference "
+                 f"{list(ref_w.shape)}", "the export was made from another model")
+        return None
+    pqs = getattr(layer, "pre_quant_scale", None)
+    if pqs is not None:
+        candidates = [("pre_quant_scale", pqs.float())]
+    else:
+        candidates = [(None, None), *_fold_candidates(a, module, deq.shape[1])]
+    best = None
+    for fold, scale in candidates:
+        row = _weight_stats(ref_w if scale is None else ref_w / scale[None, :], deq)
+        if best is None or row["sqnr_db"] > best[1]["sqnr_db"]:
+            best = (fold, row)
+    fold, row = best
+    if fold and fold != "pre_quant_scale":
+        a.folded.add(fold)
+    return {"module": module, "format": fmt.quant_algo, **row, "fold": fold}
+
+
+def _fold_candidates(a: AuditState, module: str, width: int):
+    """Per-input scales export may have folded into a norm ahead of this layer (AWQ layers sharing an input):
+    exported / reference value of each changed 1-D tensor of the same block, and (1+w) norms' (1+w') / (1+w)."""
+    import torch
+
+    block = block_of(module)
+    if block not in a._vectors:
+        a._vectors[block] = []
+        for name in a.t.names():
+            ref = a.ref_tensor(name) if block_of(name) == block else None
+            if ref is None or ref.dim() != 1 or a.t.dtype_of(name) not in FLOAT_DTYPES:
+                continue
+            ours, ref = a.t.get(name).float(), ref.float()
+            if ours.shape == ref.shape and not torch.equal(ours, ref):
+                a._vectors[block].append((name, ours, ref))
+    for name, ours, ref in a._vectors[block]:
+        if ours.shape[0] != width:
+            continue
+        for new, old in ((ours, ref), (1 + ours, 1 + ref)):
+            ratio = new / torch.where(old.abs() > 1e-12, old, torch.ones_like(old))
+            yield name, torch.where((old.abs() > 1e-12) & (ratio.abs() > 1e-12), ratio, torch.ones_like(ratio))
+
+
+def _judge_weights(a: AuditState, stats: list[dict]) -> None:
+    direction, noise, noisy, gain_bad, gain_warn = [], [], [], [], []
+    for row in stats:
+        b = weight_bounds(row["format"])
+        if row["cosine"] < b.cosine_error:
+            direction.append(row)
+        elif row["sqnr_db"] < b.sqnr_error_db:
+            noise.append(row)
+        elif row["sqnr_db"] < b.sqnr_warn_db:
+            noisy.append(row)
+        if abs(row["gain"] - 1) > GAIN_ERROR:
+            gain_bad.append(row)
+        elif abs(row["gain"] - 1) > GAIN_WARN:
+            gain_warn.append(row)
+
+    def describe(rows: list[dict]) -> str:
+        rows = sorted(rows, key=lambda r: r["sqnr_db"])
+        shown = ", ".join(f"{r['module']} cosine {r['cosine']:.4f} SQNR {r['sqnr_db']:.1f} dB gain "
+                          f"{r['gain']:.3f}" for r in rows[:3])
+        return shown + (f" (and {len(rows) - 3} more)" if len(rows) > 3 else "")
+
+    def bounds_text(rows: list[dict]) -> str:
+        return "; ".join(f"{a}: error below cosine {weight_bounds(a).cosine_error} / "
+                         f"{weight_bounds(a).sqnr_error_db} dB" for a in sorted({r["format"] for r in rows}))
+
+    if direction:
+        a.add(ERROR, "weights", [r["module"] for r in direction], f"{len(direction)} layer(s) dequantize to "
+                 f"weights pointing elsewhere than the reference's: {describe(direction)} "
+                 f"({bounds_text(direction)})",
+                 "codes and scales do not belong together: scales of another layer or block size, codes packed "
+                 "in another order, layers swapped or renamed, or weights quantized from another model; a "
+                 "low-memory export path that mis-scaled blocks gave cosine 0.756 with half-sized scales")
+    if noise:
+        a.add(ERROR, "weights", [r["module"] for r in noise], f"{len(noise)} layer(s) dequantize with far "
+                 f"more error than the format allows: {describe(noise)} ({bounds_text(noise)})",
+                 "scales off by a factor (see gain), clipped or saturated codes, or an amax calibrated on the "
+                 "wrong tensor")
+    if noisy:
+        a.add(WARNING, "weights", [r["module"] for r in noisy], f"{len(noisy)} layer(s) dequantize with more "
+                 f"error than healthy exports of their format: {describe(noisy)}",
+                 "outlier weights stretching the scales (check the layer), or an aggressive clipping search")
+    if gain_bad:
+        a.add(ERROR, "weights", [r["module"] for r in gain_bad], f"{len(gain_bad)} layer(s) are scaled by a "
+                 "constant factor against the reference (gain = the factor that maps them back; 1.0 when "
+                 f"healthy): {describe(gain_bad)}",
+                 "weight scales halved / doubled or a per-tensor scale (weight_scale_2, a global scale) applied "
+                 "twice or not at all, as in the low-memory NVFP4 export with half-sized scales")
+    elif gain_warn:
+        a.add(WARNING, "weights", [r["module"] for r in gain_warn], f"{len(gain_warn)} layer(s) are scaled by "
+                 f"more than {GAIN_WARN:.0%} against the reference: {describe(gain_warn)}",
+                 "a clipping search shrank the scales, or a scale is slightly off")
+    if stats:
+        worst = min(stats, key=lambda r: r["sqnr_db"])
+        a.add(INFO, "weights", [], f"{len(stats)} quantized layers compared with the reference: SQNR "
+                 f"{min(r['sqnr_db'] for r in stats):.1f}-{max(r['sqnr_db'] for r in stats):.1f} dB (worst "
+                 f"{worst['module']}), cosine >= {min(r['cosine'] for r in stats):.4f}, gain "
+                 f"{min(r['gain'] for r in stats):.3f}-{max(r['gain'] for r in stats):.3f}")
+
+
+def _looks_like(t: CheckpointTensors, module: str, dims: tuple, fmt: LayerFormat) -> str | None:
+    """The first other registered format whose QLAYERS class reads this layer's tensors without refusal."""
+    import torch
+
+    from quantlab.engines.qlayers import QLAYERS, LayerContext
+
+    out_f, in_f, has_bias = dims
+    ctx = LayerContext("cpu", False, torch.float32)
+    group = _group_guess(t, module, in_f)
+    for algo in QLAYERS:
+        if algo == fmt.quant_algo:
+            continue
+        try:
+            QLAYERS[algo].from_checkpoint(module, out_f, in_f, has_bias, t, LayerFormat(algo, group), ctx)
+        except (QuantlabError, RuntimeError, ValueError, ZeroDivisionError):
+            continue
+        return algo
+    return None
+
+
+def _group_guess(t: CheckpointTensors, module: str, in_features: int) -> int | None:
+    shape = t.shape_of(f"{module}.weight_scale")
+    return in_features // shape[1] if shape and len(shape) == 2 and shape[1] and in_features % shape[1] == 0 else None
+
+
+def _weight_stats(ref, eff) -> dict:
+    """cosine, SQNR (dB) and gain (the factor that best maps eff onto ref) of an effective dequantized weight against
+    the reference weight. float32 BLAS dot products: their relative error (~1e-6) is far below every bound."""
+    import torch
+
+    a, b = ref.reshape(-1).float(), eff.reshape(-1).float()
+    d = a - b
+    aa, bb, ab, dd = (float(torch.dot(x, y)) for x, y in ((a, a), (b, b), (a, b), (d, d)))
+    cosine = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+    sqnr = 10 * math.log10(aa / dd) if dd > 0 and aa > 0 else (SQNR_CAP if aa > 0 else -SQNR_CAP)
+    gain = ab / bb if bb > 0 else GAIN_CAP  # an all-zero dequantized weight: no factor maps it back
+    if not all(math.isfinite(x) for x in (cosine, sqnr, gain)):  # NaN / Inf in the weights: nothing matches
+        cosine, sqnr, gain = 0.0, -SQNR_CAP, GAIN_CAP
+    return {"cosine": round(min(cosine, 1.0), 6), "sqnr_db": round(max(-SQNR_CAP, min(sqnr, SQNR_CAP)), 3),
+            "gain": round(max(-GAIN_CAP, min(gain, GAIN_CAP)), 5)}
