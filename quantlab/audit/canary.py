@@ -23,7 +23,7 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
     from quantlab.models import load_model, load_tokenizer
 
     algos = a.quant.algos()
-    unknown = sorted(a for a in algos if a not in QLAYERS)
+    unknown = sorted(algo for algo in algos if algo not in QLAYERS)
     if unknown:
         a.skipped.append(f"canary: engine=torch does not run {', '.join(unknown)}")
         return
@@ -37,7 +37,7 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
             model, _ = load_exported(a.ckpt, a.device, a.dtype)
         except QuantlabError as exc:
             a.add(ERROR, "canary", [], f"the export does not load with deployment numerics: {exc.problem}",
-                     "see the tensor findings above; an engine would refuse this checkpoint")
+                  "see the tensor findings above; an engine would refuse this checkpoint")
             return
         logits = model(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
         del model
@@ -57,13 +57,13 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
             f"{agree.numel()} positions ({ids.shape[0]} x {ids.shape[1]} tokens)")
     if not finite or top1 < b.top1_error or kl_mean > b.kl_error:
         a.add(ERROR, "canary", [], f"the exported checkpoint's logits diverge from the reference: {text}; "
-                 f"healthy {'/'.join(sorted(algos))} exports stay above top-1 {b.top1_error} and below KL "
-                 f"{b.kl_error}", "a broken layer the tensor checks cannot see (activation or KV scales that "
-                 "saturate, layers in the wrong order) or one they reported above")
+              f"healthy {'/'.join(sorted(algos))} exports stay above top-1 {b.top1_error} and below KL "
+              f"{b.kl_error}", "a broken layer the tensor checks cannot see (activation or KV scales that "
+              "saturate, layers in the wrong order) or one they reported above")
     elif top1 < b.top1_warn or kl_mean > b.kl_warn:
         a.add(WARNING, "canary", [], f"the exported checkpoint's logits are further from the reference than "
-                 f"healthy exports of its format: {text} (warn below top-1 {b.top1_warn} / over KL {b.kl_warn})",
-                 "a format too aggressive for this model, or a partly broken layer: run the evaluation")
+              f"healthy exports of its format: {text} (warn below top-1 {b.top1_warn} / over KL {b.kl_warn})",
+              "a format too aggressive for this model, or a partly broken layer: run the evaluation")
     else:
         a.add(INFO, "canary", [], f"logits canary: {text}")
 

@@ -37,21 +37,21 @@ def check_coverage(a: AuditState) -> None:
         placeholders = [m for m in plain_declared if f"{m}.weight_scale" in a.t]
         extra = f"; {len(placeholders)} carry scale tensors beside float weights" if placeholders else ""
         a.add(ERROR, "coverage", plain_declared, f"{len(plain_declared)} module(s) declared {', '.join(algos)} "
-                 f"by hf_quant_config.json are stored unquantized ({', '.join(dtypes)} weights){same}{extra}",
-                 "their quantizers were disabled or never calibrated (an MoE expert that received no calibration "
-                 "tokens, a module class the recipe's patterns missed), or export wrote the original weights: the "
-                 "output is not quantized although the checkpoint says it is")
+              f"by hf_quant_config.json are stored unquantized ({', '.join(dtypes)} weights){same}{extra}",
+              "their quantizers were disabled or never calibrated (an MoE expert that received no calibration "
+              "tokens, a module class the recipe's patterns missed), or export wrote the original weights: the "
+              "output is not quantized although the checkpoint says it is")
     if stray:
         a.add(ERROR, "coverage", stray, f"{len(stray)} module(s) are stored quantized "
-                 f"({', '.join(sorted({a.t.dtype_of(m + '.weight') for m in stray}))} codes) although "
-                 "hf_quant_config.json " + ("does not list them" if a.quant.mixed else "excludes them"),
-                 "a quantizer stayed enabled on a module the recipe keeps in high precision (output head, "
-                 "vision tower, router), or exclude_modules was edited: loaders that honour the config read the "
-                 "codes as plain weights")
+              f"({', '.join(sorted({a.t.dtype_of(m + '.weight') for m in stray}))} codes) although "
+              "hf_quant_config.json " + ("does not list them" if a.quant.mixed else "excludes them"),
+              "a quantizer stayed enabled on a module the recipe keeps in high precision (output head, "
+              "vision tower, router), or exclude_modules was edited: loaders that honour the config read the "
+              "codes as plain weights")
     if policy:
         a.add(WARNING, "coverage", policy, f"{len(policy)} output head / router / vision module(s) are "
-                 "quantized", "ModelOpt's recipes keep these in high precision; a pattern such as *lm_head* did "
-                 "not match (renamed module), or a search chose it: check the quality cost")
+              "quantized", "ModelOpt's recipes keep these in high precision; a pattern such as *lm_head* did "
+              "not match (renamed module), or a search chose it: check the quality cost")
     per_class: dict[str, list] = {}
     for module in lay.linears:
         fmt = a.declared[module]
@@ -83,11 +83,11 @@ def check_fused_groups(a: AuditState) -> None:
     if bad:
         example = ", ".join(f"{m}={_format_label(a.declared[m])}" for m in bad[0][:4])
         a.add(ERROR, "format", [m for members in bad for m in members], f"{len(bad)} group(s) of layers that "
-                 f"engines fuse have different formats or group sizes (e.g. {example})",
-                 "export checks equal formats only when the group's first member is not FP8 (\"Modules have "
-                 "different quantization formats\"), and never across experts: a per-layer search, a hand "
-                 "config, or experts that received no calibration tokens left one group in several formats; "
-                 "engines fusing q/k/v, gate/up or the experts refuse it or run one format for all")
+              f"engines fuse have different formats or group sizes (e.g. {example})",
+              "export checks equal formats only when the group's first member is not FP8 (\"Modules have "
+              "different quantization formats\"), and never across experts: a per-layer search, a hand "
+              "config, or experts that received no calibration tokens left one group in several formats; "
+              "engines fusing q/k/v, gate/up or the experts refuse it or run one format for all")
 
 
 def _format_label(fmt: LayerFormat | None) -> str:

@@ -21,26 +21,26 @@ def check_metadata(a: AuditState) -> None:
     q, declared = a.config.get("quantization_config"), a.quant
     if not isinstance(q, dict):
         a.add(ERROR, "metadata", [], "config.json has no quantization_config although hf_quant_config.json "
-                 f"declares {declared.quant_algo}",
-                 "config.json was replaced by the unquantized model's (copied over the export, or saved again by "
-                 "transformers): vLLM / transformers then load the stored codes as plain weights")
+              f"declares {declared.quant_algo}",
+              "config.json was replaced by the unquantized model's (copied over the export, or saved again by "
+              "transformers): vLLM / transformers then load the stored codes as plain weights")
     else:
         if q.get("quant_algo") != declared.quant_algo:
             a.add(ERROR, "metadata", [], f"config.json says quant_algo={q.get('quant_algo')}, "
-                     f"hf_quant_config.json says {declared.quant_algo}",
-                     "one of the two files was edited or comes from another export; loaders read one or the other")
+                  f"hf_quant_config.json says {declared.quant_algo}",
+                  "one of the two files was edited or comes from another export; loaders read one or the other")
         kv_scheme = q.get("kv_cache_scheme")
         if bool(kv_scheme) != bool(declared.kv_cache_quant_algo):
             a.add(ERROR, "metadata", [], f"config.json {'has' if kv_scheme else 'has no'} kv_cache_scheme, "
-                     f"hf_quant_config.json says kv_cache_quant_algo={declared.kv_cache_quant_algo}",
-                     "the two files disagree on the KV cache: engines reading config.json run another cache")
+                  f"hf_quant_config.json says kv_cache_quant_algo={declared.kv_cache_quant_algo}",
+                  "the two files disagree on the KV cache: engines reading config.json run another cache")
         ignore = q.get("ignore")
         if not declared.mixed and isinstance(ignore, list) and sorted(ignore) != sorted(declared.exclude_modules):
             only_cfg = sorted(set(ignore) - set(declared.exclude_modules))
             only_hf = sorted(set(declared.exclude_modules) - set(ignore))
             a.add(ERROR, "metadata", only_cfg + only_hf, "config.json quantization_config.ignore and "
-                     "hf_quant_config.json exclude_modules list different modules",
-                     "one of the files was edited: engines reading the other quantize (or keep) other modules")
+                  "hf_quant_config.json exclude_modules list different modules",
+                  "one of the files was edited: engines reading the other quantize (or keep) other modules")
     if a.ref is None:
         a.skipped.append("metadata against the reference (no --reference): model config, tokenizer, chat "
                             "template and generation config not compared")
@@ -58,10 +58,10 @@ def _compare_config(a: AuditState) -> None:
         shown = ", ".join(f"{k}: {json.dumps(ref_cfg.get(k))[:60]} -> {json.dumps(cfg.get(k))[:60]}"
                           for k in changed[:6])
         a.add(ERROR, "metadata", [], f"config.json differs from the reference's in {len(changed)} key(s): "
-                 f"{shown}",
-                 "the export was made from another model or another config (a resized context window, a changed "
-                 "rope scaling or vocabulary), or config.json was edited after export: engines build a model "
-                 "other than the one calibrated")
+              f"{shown}",
+              "the export was made from another model or another config (a resized context window, a changed "
+              "rope scaling or vocabulary), or config.json was edited after export: engines build a model "
+              "other than the one calibrated")
 
 
 def _compare_tokenizer(a: AuditState) -> None:
@@ -73,31 +73,31 @@ def _compare_tokenizer(a: AuditState) -> None:
     differ = [n for n in files if n not in missing and not _same_file(ref_dir / n, a.ckpt / n)]
     if not any((a.ckpt / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         a.add(WARNING, "metadata", [], "the export has no tokenizer (tokenizer.json, tokenizer.model or "
-                 "vocab.json)", "export_hf_checkpoint() writes no tokenizer: copy the reference's tokenizer files "
-                 "beside the export (quantlab's export stage does); engines need one")
+              "vocab.json)", "export_hf_checkpoint() writes no tokenizer: copy the reference's tokenizer files "
+              "beside the export (quantlab's export stage does); engines need one")
     else:
         if missing:
             a.add(WARNING, "metadata", [], f"tokenizer file(s) of the reference missing from the export: "
-                     f"{', '.join(missing)}", "only part of the tokenizer was copied beside the export")
+                  f"{', '.join(missing)}", "only part of the tokenizer was copied beside the export")
         if differ or missing:
             changes = _tokenizer_changes(ref_dir, a.ckpt)
             if changes:
                 a.add(ERROR, "metadata", [], f"the export's tokenizer differs from the reference's: "
-                         f"{'; '.join(changes)}", "the tokenizer was taken from another model or version, or "
-                         "edited: token ids in deployment are not the ones calibrated and evaluated")
+                      f"{'; '.join(changes)}", "the tokenizer was taken from another model or version, or "
+                      "edited: token ids in deployment are not the ones calibrated and evaluated")
             elif differ:
                 a.add(INFO, "metadata", [], f"tokenizer file(s) {', '.join(differ)} differ in bytes from the "
-                         "reference's but tokenize identically (vocabulary, special tokens, sample ids)")
+                      "reference's but tokenize identically (vocabulary, special tokens, sample ids)")
     ref_template, template = _chat_template(ref_dir), _chat_template(a.ckpt)
     if ref_template and not template:
         a.add(ERROR, "metadata", [], "the reference has a chat template, the export has none",
-                 "chat_template.jinja or tokenizer_config.json's chat_template was not copied with the export: "
-                 "chat requests are formatted as plain text")
+              "chat_template.jinja or tokenizer_config.json's chat_template was not copied with the export: "
+              "chat requests are formatted as plain text")
     elif template != ref_template:
         a.add(ERROR, "metadata", [], "the export's chat template differs from the reference's"
-                 + ("" if ref_template else " (the reference has none)"),
-                 "the tokenizer files come from another model or version: prompts are formatted differently "
-                 "from the ones the model was trained and evaluated with")
+              + ("" if ref_template else " (the reference has none)"),
+              "the tokenizer files come from another model or version: prompts are formatted differently "
+              "from the ones the model was trained and evaluated with")
 
 
 def _compare_generation_config(a: AuditState) -> None:
@@ -107,7 +107,7 @@ def _compare_generation_config(a: AuditState) -> None:
         return
     if gen is None:
         a.add(WARNING, "metadata", [], "the reference has a generation_config.json, the export has none",
-                 "the file was not copied with the export: engines fall back to their default stop tokens")
+              "the file was not copied with the export: engines fall back to their default stop tokens")
         return
     changed = [k for k in sorted(set(ref_gen) | set(gen)) if k != "transformers_version"
                and ref_gen.get(k) != gen.get(k)]
@@ -115,8 +115,8 @@ def _compare_generation_config(a: AuditState) -> None:
     if changed:
         shown = ", ".join(f"{k}: {json.dumps(ref_gen.get(k))} -> {json.dumps(gen.get(k))}" for k in changed[:6])
         a.add(ERROR if ids else WARNING, "metadata", [], f"generation_config.json differs from the "
-                 f"reference's: {shown}", "the export wrote the generation config of the model object it was "
-                 "given (an edited or default one): stop tokens / sampling defaults change in deployment")
+              f"reference's: {shown}", "the export wrote the generation config of the model object it was "
+              "given (an edited or default one): stop tokens / sampling defaults change in deployment")
 
 
 def _same_file(a: Path, b: Path) -> bool:

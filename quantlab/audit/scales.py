@@ -76,29 +76,29 @@ def check_kv_cache(a: AuditState) -> None:
     if not a.quant.kv_cache_quant_algo:
         if present:
             a.add(ERROR, "kv_cache", sorted({n.rpartition(".")[0] for n in present}),
-                     f"{len(present)} k_scale / v_scale tensors, but hf_quant_config.json declares no KV cache "
-                     "quantization", "kv_cache_quant_algo was lost from the config (edited, or written by another "
-                     "tool): engines run an unquantized cache, not the one calibrated")
+                  f"{len(present)} k_scale / v_scale tensors, but hf_quant_config.json declares no KV cache "
+                  "quantization", "kv_cache_quant_algo was lost from the config (edited, or written by another "
+                  "tool): engines run an unquantized cache, not the one calibrated")
         return
-    missing = [a for a in a.layout.attention
-               if f"{a}.k_proj.k_scale" not in a.t or f"{a}.v_proj.v_scale" not in a.t]
+    missing = [m for m in a.layout.attention
+               if f"{m}.k_proj.k_scale" not in a.t or f"{m}.v_proj.v_scale" not in a.t]
     if missing:
         a.add(ERROR, "kv_cache", missing, f"kv_cache_quant_algo={a.quant.kv_cache_quant_algo} but "
-                 f"{len(missing)} of {len(a.layout.attention)} attention module(s) have no k_scale / v_scale "
-                 f"(expected at <attention>.k_proj.k_scale and <attention>.v_proj.v_scale)",
-                 "the KV quantizers of these layers were disabled or never calibrated, or export did not write "
-                 "them: engines fall back to scale 1.0 or refuse the checkpoint")
+              f"{len(missing)} of {len(a.layout.attention)} attention module(s) have no k_scale / v_scale "
+              f"(expected at <attention>.k_proj.k_scale and <attention>.v_proj.v_scale)",
+              "the KV quantizers of these layers were disabled or never calibrated, or export did not write "
+              "them: engines fall back to scale 1.0 or refuse the checkpoint")
     if not present:
         return
     values = {n: float(a.t.get(n).float().reshape(-1)[0]) for n in present if a.t.shape_of(n) in ((), (1,))}
     ones = [n for n, v in values.items() if v == 1.0]
     if ones and len(ones) == len(values) and len(values) > 1:
         a.add(ERROR, "kv_cache", sorted({n.rpartition(".")[0] for n in ones}),
-                 f"all {len(values)} KV cache scales are exactly 1.0",
-                 "a default, not a calibration result: the KV quantizers were never calibrated (the recipe's "
-                 "KV entries did not match the attention modules), or the exporter clamped every scale to >= 1.0; "
-                 "K/V above 448 saturate and the cache is not the one evaluated")
+              f"all {len(values)} KV cache scales are exactly 1.0",
+              "a default, not a calibration result: the KV quantizers were never calibrated (the recipe's "
+              "KV entries did not match the attention modules), or the exporter clamped every scale to >= 1.0; "
+              "K/V above 448 saturate and the cache is not the one evaluated")
     elif ones:
         a.add(WARNING, "kv_cache", sorted({n.rpartition(".")[0] for n in ones}),
-                 f"{len(ones)} of {len(values)} KV cache scales are exactly 1.0",
-                 "these layers' KV quantizers were probably not calibrated (scale left at its default)")
+              f"{len(ones)} of {len(values)} KV cache scales are exactly 1.0",
+              "these layers' KV quantizers were probably not calibrated (scale left at its default)")

@@ -23,15 +23,15 @@ def check_tensors(a: AuditState) -> None:
     if dropped:
         untied = a.ref is not None and not a.ref.config.get("tie_word_embeddings", False)
         a.add(ERROR, "tensors", [n.rpartition(".")[0] for n in dropped], f"{', '.join(dropped)} "
-                 f"of {where} {'is' if len(dropped) == 1 else 'are'} missing from the export"
-                 + (" (the reference does not tie the output head to the input embedding)" if untied else ""),
-                 "a tied-weight dedupe treated an untied output head and input embedding as one tensor and dropped "
-                 "one: loaders initialise it randomly or tie it silently")
+              f"of {where} {'is' if len(dropped) == 1 else 'are'} missing from the export"
+              + (" (the reference does not tie the output head to the input embedding)" if untied else ""),
+              "a tied-weight dedupe treated an untied output head and input embedding as one tensor and dropped "
+              "one: loaders initialise it randomly or tie it silently")
     if others:
         a.add(ERROR, "tensors", sorted({n.rpartition(".")[0] for n in others}, key=_natural),
-                 f"{len(others)} tensor(s) of {where} missing from the export (e.g. {', '.join(others[:3])})",
-                 "export skipped them: modules it did not recognise (MoE experts in a layout it could not "
-                 "iterate, renamed by a conversion mapping) or a dedupe of weights it took for copies")
+              f"{len(others)} tensor(s) of {where} missing from the export (e.g. {', '.join(others[:3])})",
+              "export skipped them: modules it did not recognise (MoE experts in a layout it could not "
+              "iterate, renamed by a conversion mapping) or a dedupe of weights it took for copies")
     known = set(source)
     owners = set(a.layout.linears) | set(a.layout.attention)
     unexpected = [n for n in a.t.names() if n not in known and not (
@@ -39,9 +39,9 @@ def check_tensors(a: AuditState) -> None:
         and (n.rpartition(".")[0] in owners or n.rpartition(".")[0].rpartition(".")[0] in owners))]
     if unexpected:
         a.add(WARNING, "tensors", sorted({n.rpartition(".")[0] for n in unexpected}, key=_natural),
-                 f"{len(unexpected)} tensor(s) in the export that {where} does not have (e.g. "
-                 f"{', '.join(unexpected[:3])})", "tensors of another model or a renamed module: loaders report "
-                 "them as unexpected and ignore them")
+              f"{len(unexpected)} tensor(s) in the export that {where} does not have (e.g. "
+              f"{', '.join(unexpected[:3])})", "tensors of another model or a renamed module: loaders report "
+              "them as unexpected and ignore them")
     if a.ref_index is None:
         return
     reshaped, changed, changed_1d, refolded = [], [], [], []
@@ -59,26 +59,26 @@ def check_tensors(a: AuditState) -> None:
         if name in a.folded:
             refolded.append(name)
             continue
-        a, b = ref.float().reshape(-1), ours.float().reshape(-1)
-        rel = float((a - b).norm() / a.norm().clamp_min(1e-30))
+        x, y = ref.float().reshape(-1), ours.float().reshape(-1)
+        rel = float((x - y).norm() / x.norm().clamp_min(1e-30))
         (changed_1d if ours.dim() == 1 else changed).append((name, rel))
     if reshaped:
         a.add(ERROR, "tensors", [r.split(" ")[0].rpartition(".")[0] for r in reshaped],
-                 f"{len(reshaped)} unquantized tensor(s) changed shape: {'; '.join(reshaped[:3])}",
-                 "the export was made from another model or config")
+              f"{len(reshaped)} unquantized tensor(s) changed shape: {'; '.join(reshaped[:3])}",
+              "the export was made from another model or config")
     if changed:
         a.add(ERROR, "tensors", [n.rpartition(".")[0] for n, _ in changed], f"{len(changed)} unquantized "
-                 "tensor(s) differ from the reference: " + ", ".join(f"{n} (relative change {r:.3g})"
+              "tensor(s) differ from the reference: " + ", ".join(f"{n} (relative change {r:.3g})"
                                                                     for n, r in changed[:3]),
                  "the export wrote other values for weights it should keep (a tied copy of the other weight, a "
                  "smoothing scale folded into a weight with no quantized consumer, another model's tensors)")
     if changed_1d:
         a.add(WARNING, "tensors", [n.rpartition(".")[0] for n, _ in changed_1d], f"{len(changed_1d)} "
-                 "unquantized 1-D tensor(s) (norms, biases) differ from the reference and no quantized layer's "
-                 "scales explain it: " + ", ".join(f"{n} (relative change {r:.3g})" for n, r in changed_1d[:3]),
-                 "a pre_quant_scale folded into a norm without the matching change in its consumers, or a norm "
-                 "taken from another layer")
+              "unquantized 1-D tensor(s) (norms, biases) differ from the reference and no quantized layer's "
+              "scales explain it: " + ", ".join(f"{n} (relative change {r:.3g})" for n, r in changed_1d[:3]),
+              "a pre_quant_scale folded into a norm without the matching change in its consumers, or a norm "
+              "taken from another layer")
     if refolded:
         a.add(INFO, "tensors", [n.rpartition(".")[0] for n in refolded], f"{len(refolded)} norm(s) differ from "
-                 "the reference because export folded AWQ pre_quant_scales into them (their consumers' "
-                 "dequantized weights match the reference through them)")
+              "the reference because export folded AWQ pre_quant_scales into them (their consumers' "
+              "dequantized weights match the reference through them)")

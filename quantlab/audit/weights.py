@@ -56,7 +56,7 @@ def check_layers(a: AuditState) -> None:
     _report_refusals(a, refusals)
     for algo, modules in unknown.items():
         a.add(INFO, "format", modules, f"{len(modules)} layer(s) in format {algo}, which quantlab cannot "
-                 f"dequantize (it knows {', '.join(QLAYERS)}): their scales' shapes and weights were not audited")
+              f"dequantize (it knows {', '.join(QLAYERS)}): their scales' shapes and weights were not audited")
     check_fused_groups(a)
     a.layers = stats
     if a.ref_index is None:
@@ -91,10 +91,10 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
         modules, example, n = [m for m, _ in entries], entries[0][1], len(entries)
         if kind == "unreadable":
             a.add(ERROR, check, modules, f"{n} layer(s) cannot be read as {algo}: {example}",
-                     "hf_quant_config.json does not match the tensors")
+                  "hf_quant_config.json does not match the tensors")
         elif kind == "missing":
             a.add(ERROR, check, modules, f"{n} layer(s) declared {algo} have no {suffix} tensor (e.g. "
-                     f"{example})", _MISSING_CAUSE.get(suffix, "export did not write it"))
+                  f"{example})", _MISSING_CAUSE.get(suffix, "export did not write it"))
         elif kind == "dtype":
             key = (algo, suffix, found)
             if key not in a._like:
@@ -102,14 +102,14 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
                                               a.declared[modules[0]])
             like = f"; the tensors read as {a._like[key]}" if a._like[key] else ""
             a.add(ERROR, check, modules, f"{n} layer(s) declared {algo} store their {suffix} as {found} "
-                     f"(e.g. {example}){like}",
-                     "hf_quant_config.json declares another format than the one written (an edited config, a "
-                     "config from another export, or a mixed-precision export whose per-layer list is wrong): "
-                     "engines misread every such layer")
+                  f"(e.g. {example}){like}",
+                  "hf_quant_config.json declares another format than the one written (an edited config, a "
+                  "config from another export, or a mixed-precision export whose per-layer list is wrong): "
+                  "engines misread every such layer")
         else:
             a.add(ERROR, check, modules, f"{n} layer(s): {suffix} shapes do not match {algo} (e.g. {example})",
-                     "the group size in hf_quant_config.json is not the one the weights were quantized with, or "
-                     "scales were transposed / concatenated wrongly (fused layers, sharded writers)")
+                  "the group size in hf_quant_config.json is not the one the weights were quantized with, or "
+                  "scales were transposed / concatenated wrongly (fused layers, sharded writers)")
 
 
 def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict | None:
@@ -123,7 +123,7 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict
     deq = layer.dequantized_weight().float()
     if deq.shape != ref_w.shape:
         a.add(ERROR, "weights", [module], f"dequantized weight has shape {list(deq.shape)}, the reference "
-                 f"{list(ref_w.shape)}", "the export was made from another model")
+              f"{list(ref_w.shape)}", "the export was made from another model")
         return None
     pqs = getattr(layer, "pre_quant_scale", None)
     if pqs is not None:
@@ -186,41 +186,41 @@ def _judge_weights(a: AuditState, stats: list[dict]) -> None:
         return shown + (f" (and {len(rows) - 3} more)" if len(rows) > 3 else "")
 
     def bounds_text(rows: list[dict]) -> str:
-        return "; ".join(f"{a}: error below cosine {weight_bounds(a).cosine_error} / "
-                         f"{weight_bounds(a).sqnr_error_db} dB" for a in sorted({r["format"] for r in rows}))
+        return "; ".join(f"{f}: error below cosine {weight_bounds(f).cosine_error} / "
+                         f"{weight_bounds(f).sqnr_error_db} dB" for f in sorted({r["format"] for r in rows}))
 
     if direction:
         a.add(ERROR, "weights", [r["module"] for r in direction], f"{len(direction)} layer(s) dequantize to "
-                 f"weights pointing elsewhere than the reference's: {describe(direction)} "
-                 f"({bounds_text(direction)})",
-                 "codes and scales do not belong together: scales of another layer or block size, codes packed "
-                 "in another order, layers swapped or renamed, or weights quantized from another model; a "
-                 "low-memory export path that mis-scaled blocks gave cosine 0.756 with half-sized scales")
+              f"weights pointing elsewhere than the reference's: {describe(direction)} "
+              f"({bounds_text(direction)})",
+              "codes and scales do not belong together: scales of another layer or block size, codes packed "
+              "in another order, layers swapped or renamed, or weights quantized from another model; a "
+              "low-memory export path that mis-scaled blocks gave cosine 0.756 with half-sized scales")
     if noise:
         a.add(ERROR, "weights", [r["module"] for r in noise], f"{len(noise)} layer(s) dequantize with far "
-                 f"more error than the format allows: {describe(noise)} ({bounds_text(noise)})",
-                 "scales off by a factor (see gain), clipped or saturated codes, or an amax calibrated on the "
-                 "wrong tensor")
+              f"more error than the format allows: {describe(noise)} ({bounds_text(noise)})",
+              "scales off by a factor (see gain), clipped or saturated codes, or an amax calibrated on the "
+              "wrong tensor")
     if noisy:
         a.add(WARNING, "weights", [r["module"] for r in noisy], f"{len(noisy)} layer(s) dequantize with more "
-                 f"error than healthy exports of their format: {describe(noisy)}",
-                 "outlier weights stretching the scales (check the layer), or an aggressive clipping search")
+              f"error than healthy exports of their format: {describe(noisy)}",
+              "outlier weights stretching the scales (check the layer), or an aggressive clipping search")
     if gain_bad:
         a.add(ERROR, "weights", [r["module"] for r in gain_bad], f"{len(gain_bad)} layer(s) are scaled by a "
-                 "constant factor against the reference (gain = the factor that maps them back; 1.0 when "
-                 f"healthy): {describe(gain_bad)}",
-                 "weight scales halved / doubled or a per-tensor scale (weight_scale_2, a global scale) applied "
-                 "twice or not at all, as in the low-memory NVFP4 export with half-sized scales")
+              "constant factor against the reference (gain = the factor that maps them back; 1.0 when "
+              f"healthy): {describe(gain_bad)}",
+              "weight scales halved / doubled or a per-tensor scale (weight_scale_2, a global scale) applied "
+              "twice or not at all, as in the low-memory NVFP4 export with half-sized scales")
     elif gain_warn:
         a.add(WARNING, "weights", [r["module"] for r in gain_warn], f"{len(gain_warn)} layer(s) are scaled by "
-                 f"more than {GAIN_WARN:.0%} against the reference: {describe(gain_warn)}",
-                 "a clipping search shrank the scales, or a scale is slightly off")
+              f"more than {GAIN_WARN:.0%} against the reference: {describe(gain_warn)}",
+              "a clipping search shrank the scales, or a scale is slightly off")
     if stats:
         worst = min(stats, key=lambda r: r["sqnr_db"])
         a.add(INFO, "weights", [], f"{len(stats)} quantized layers compared with the reference: SQNR "
-                 f"{min(r['sqnr_db'] for r in stats):.1f}-{max(r['sqnr_db'] for r in stats):.1f} dB (worst "
-                 f"{worst['module']}), cosine >= {min(r['cosine'] for r in stats):.4f}, gain "
-                 f"{min(r['gain'] for r in stats):.3f}-{max(r['gain'] for r in stats):.3f}")
+              f"{min(r['sqnr_db'] for r in stats):.1f}-{max(r['sqnr_db'] for r in stats):.1f} dB (worst "
+              f"{worst['module']}), cosine >= {min(r['cosine'] for r in stats):.4f}, gain "
+              f"{min(r['gain'] for r in stats):.3f}-{max(r['gain'] for r in stats):.3f}")
 
 
 def _looks_like(t: CheckpointTensors, module: str, dims: tuple, fmt: LayerFormat) -> str | None:
