@@ -106,15 +106,44 @@ class Artifact:
         return self.manifest.get("info", {})
 
 
-def _no_room(exc: OSError, where: Path) -> QuantlabError | None:
+def _no_room(exc: OSError, where: Path, written: int = 0) -> QuantlabError | None:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return QuantlabError(f"no space left on the device of the cache {where}",
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            free = 0
+        need = (f": the build had written {_mib(written)} when the disk filled, so it needs more than "
+                f"{_mib(written + free)} free ({_mib(free)} free now; nothing of the unfinished build is kept)"
+                if written else "")
+        return QuantlabError(f"no space left on the device of the cache {where}{need}",
                              fix="free space (python -m quantlab.cache prune --older-than DAYS) or set cache_dir / "
-                                 "$QUANTLAB_CACHE to a disk with room")
+                                 "$QUANTLAB_CACHE to a disk with room, then rerun: finished artifacts are reused")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return QuantlabError(f"the cache {where} is not writable ({exc.strerror})",
                              fix="set cache_dir (or $QUANTLAB_CACHE) to a writable directory")
     return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under path (0 when it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _says_no_space(exc: BaseException) -> bool:
+    """A library's own error for a full disk (safetensors' SafetensorError carries the OS message, not an errno)."""
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
 def _disk_full(root: Path, margin: int = 1 << 20) -> bool:
@@ -253,10 +282,13 @@ class ArtifactStore:
                     self._discard(final)
                 os.replace(tmp, final)
             except Exception as exc:
+                # measured before the partial build is removed (removing it frees the space that ran out)
+                full = not isinstance(exc, QuantlabError) and (_disk_full(self.root) or _says_no_space(exc))
+                written = _tree_bytes(tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
-                mapped = _no_room(exc, self.root) if isinstance(exc, OSError) else None
-                if mapped is None and not isinstance(exc, QuantlabError) and _disk_full(self.root):
-                    mapped = _no_room(OSError(errno.ENOSPC, "no space"), self.root)  # raised by a library
+                mapped = _no_room(exc, self.root, written) if isinstance(exc, OSError) else None
+                if mapped is None and full:  # raised by a library in its own words (safetensors' Rust writer)
+                    mapped = _no_room(OSError(errno.ENOSPC, "no space"), self.root, written)
                 if mapped is not None:
                     raise mapped from None
                 raise

@@ -90,13 +90,50 @@ def _checked_entry(file: Path, name: str, entry, data_size: int, data_start: int
     return offsets[0], offsets[1], name
 
 
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def safetensors_index(directory: Path) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight_map (tensor name -> file), or None when there is no index. A damaged
+    index is a QuantlabError naming it."""
+    file = Path(directory) / SAFE_INDEX
+    if not file.is_file():
+        return None
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise QuantlabError(f"{file} is not valid JSON ({str(exc)[:120]})",
+                            fix="re-save the checkpoint; its index is damaged") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in weight_map.items())):
+        raise QuantlabError(f"{file} has no weight_map of tensor names to file names",
+                            fix="re-save the checkpoint; its index is damaged")
+    return weight_map
+
+
 def safetensors_files(directory: Path) -> list[Path]:
-    """The *.safetensors files directly in directory, sorted by name."""
-    return sorted(Path(directory).glob("*.safetensors"))
+    """The safetensors files a serving engine loads from a directory: the shards model.safetensors.index.json names
+    (vLLM's and SGLang's rule) when there is an index, else model.safetensors, else every *.safetensors file (an
+    export under other names). A shard the index names but the directory lacks is a QuantlabError."""
+    directory = Path(directory)
+    weight_map = safetensors_index(directory)
+    if weight_map is not None:
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (directory / n).is_file() or "/" in n or n.startswith(".")]
+        if missing:
+            raise QuantlabError(f"{directory / SAFE_INDEX} names {', '.join(missing[:3])}, which "
+                                f"{'is' if len(missing) == 1 else 'are'} not in {directory}",
+                                fix="copy every shard the index names, or re-save the checkpoint")
+        return [directory / n for n in names]
+    if (directory / SAFE_WEIGHTS).is_file():
+        return [directory / SAFE_WEIGHTS]
+    return sorted(directory.glob("*.safetensors"))
 
 
 def read_headers(directory: Path) -> dict[str, dict]:
-    """Every tensor's header entry over all *.safetensors files of a directory, with its file name added."""
+    """Every tensor's header entry over the safetensors files a loader reads (safetensors_files), with its file
+    name added."""
     out: dict[str, dict] = {}
     for file in safetensors_files(directory):
         for name, entry in read_safetensors_header(file).items():
@@ -108,7 +145,7 @@ def read_headers(directory: Path) -> dict[str, dict]:
 
 
 def tensor_index(directory: Path) -> dict[str, Any]:
-    """Tensor name -> open safetensors handle, over every *.safetensors file in directory (nothing loaded)."""
+    """Tensor name -> open safetensors handle, over the safetensors files a loader reads (nothing loaded)."""
     from safetensors import safe_open
 
     index = {}

@@ -13,7 +13,15 @@ from functools import cached_property
 from pathlib import Path
 
 from quantlab.artifacts import fingerprint_files, fingerprint_of
-from quantlab.checkpoint import CHECKPOINT_FILES, PICKLE_SUFFIXES, QUANT_CONFIG, read_headers
+from quantlab.checkpoint import (
+    CHECKPOINT_FILES,
+    PICKLE_SUFFIXES,
+    QUANT_CONFIG,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    read_headers,
+    safetensors_files,
+)
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
@@ -170,12 +178,7 @@ def _local(path: str | Path, trust_remote_code: bool = False) -> ModelRef:
     config = _read_config(path)
     _check_causal_lm(path, config, trust_remote_code)
     _check_not_quantized(path, config)
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
-        raise QuantlabError(f"no *.safetensors weights in {path}{hint}",
-                            fix="save the model with save_pretrained(..., safe_serialization=True)")
+    _check_weight_files(path)
     headers = read_headers(path)
     scales = sorted(n for n, h in headers.items() if n.endswith((".weight_scale", ".input_scale", ".weight_scale_2"))
                     or (n.endswith(".weight") and h["dtype"] in ("F8_E4M3", "F8_E5M2", "I8", "U8")))
@@ -187,10 +190,37 @@ def _local(path: str | Path, trust_remote_code: bool = False) -> ModelRef:
     _check_shapes(path, headers, trust_remote_code)
     check_tokenizer(path, trust_remote_code)
     # exactly what loading reads: the safetensors (never a pickle beside them), their index, configs, tokenizer
-    files = [p for p in path.iterdir() if p.is_file() and (p.suffix == ".safetensors" or p.name in CHECKPOINT_FILES
-                                                          or p.name == "model.safetensors.index.json")]
+    loaded = set(safetensors_files(path))
+    files = [p for p in path.iterdir() if p.is_file() and (p in loaded or p.name in CHECKPOINT_FILES
+                                                          or p.name == SAFE_INDEX)]
     fp = fingerprint_of(fingerprint_files(path, files))
     return ModelRef(local_name(path), path, fp, "path", config, trust_remote_code)
+
+
+def _check_weight_files(path: Path) -> None:
+    """The weights transformers loads, and only those: model.safetensors or the shards an index names. Other
+    safetensors names are not loaded (refused with the rename), pickles never; both a model.safetensors and an index
+    is ambiguous (transformers loads the first, vLLM and SGLang the files the index names)."""
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    has_index, has_single = (path / SAFE_INDEX).is_file(), (path / SAFE_WEIGHTS).is_file()
+    if has_index and has_single:
+        raise QuantlabError(f"model.path {path} has both {SAFE_WEIGHTS} and {SAFE_INDEX}: transformers loads the "
+                            "first, vLLM and SGLang the shards the index names, so the model is ambiguous",
+                            fix="remove whichever is stale (keep the files the model was saved as)")
+    if has_index or has_single:
+        safetensors_files(path)  # every shard the index names is present
+        return
+    if found:
+        raise QuantlabError(f"model.path {path} holds {', '.join(found[:3])} but no {SAFE_WEIGHTS} or {SAFE_INDEX}, "
+                            "so transformers would not load them"
+                            + (f" (and {', '.join(pickled)} would never be loaded: pickles are refused)" if pickled
+                               else ""),
+                            fix=f"rename a single file to {SAFE_WEIGHTS}, or re-save the model with "
+                                "save_pretrained(..., safe_serialization=True)")
+    hint = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
+    raise QuantlabError(f"no *.safetensors weights in {path}{hint}",
+                        fix="save the model with save_pretrained(..., safe_serialization=True)")
 
 
 def _check_not_quantized(path: Path, config: dict) -> None:

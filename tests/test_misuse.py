@@ -361,3 +361,71 @@ def test_a_huge_single_line_costs_memory_for_the_windows_used_only(tiny_llama, t
     assert rss_mib < 1500, rss_mib  # the interpreter, torch and transformers alone take ~700 MiB
     record = read_json(next((tmp_path / "outputs").iterdir()) / "run.json")
     assert record["data"]["calib"]["chars_read"] < 8 << 20
+
+
+# ---------------------------------------------------------------------------------------- look-alike inputs
+def test_weights_a_loader_would_not_read_are_refused_by_name(tiny_llama, tmp_path):
+    """A model directory whose safetensors file has a non-standard name next to a pickle of other weights (was
+    exit 3: transformers looks for model.safetensors), and one with both model.safetensors and an index (two
+    loaders, two models): exit 2 before anything loads, naming the files and the fix."""
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_llama, odd)
+    os.replace(odd / "model.safetensors", odd / "weights.safetensors")
+    torch.save({"lm_head.weight": torch.zeros(2, 2)}, odd / "pytorch_model.bin")
+    _exit2(run_cli(["+precision=fp8", f"model.path={odd}", *FAST], cwd=tmp_path, cache=tmp_path / "c"),
+           "weights.safetensors but no model.safetensors")
+    both = tmp_path / "both"
+    shutil.copytree(tiny_llama, both)
+    names = list(load_file(str(both / "model.safetensors")))
+    (both / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    with pytest.raises(QuantlabError, match="both model.safetensors and model.safetensors.index.json"):
+        from quantlab.models import ModelRef
+
+        ModelRef.from_path(both)
+    stale = tmp_path / "stale"
+    shutil.copytree(tiny_llama, stale)
+    os.replace(stale / "model.safetensors", stale / "model-00001-of-00001.safetensors")
+    (stale / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}))
+    with pytest.raises(QuantlabError, match="model-00001-of-00002.safetensors, which is not in"):
+        ModelRef.from_path(stale)
+
+
+def test_baseline_may_be_a_run_directory(tmp_path):
+    """gate.baseline pointing at a run directory (was "does not exist" for a directory that exists): its
+    metrics.json is read; a directory without one is refused with the fix."""
+    from quantlab.gate.checks import load_baseline
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(QuantlabError, match="a directory without a metrics.json"):
+        load_baseline(str(run), {})
+    (run / "metrics.json").write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(QuantlabError, match="has schema 'other'"):  # read, then checked like a metrics.json
+        load_baseline(str(run), {})
+
+
+# ---------------------------------------------------------------------------------------- resources
+def test_disk_full_while_writing_an_artifact_is_exit_2_and_a_rerun_with_room_works(tiny_llama, tmp_path):
+    """The cache's disk fills while the export writes its safetensors (was exit 3, SafetensorError): exit 2 naming
+    the cache and the space the build needed, no partial entry left, and the same command with room completes."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root): a full disk is not testable")
+    try:
+        args = ["+precision=fp8", f"model.path={tiny_llama}", f"cache_dir={mount}", *FAST]
+        res = run_cli(args, cwd=tmp_path)
+        _exit2(res, "no space left on the device of the cache")
+        assert "needs more than" in res.stderr, res.stderr
+        partial = [p for p in mount.rglob("*") if p.is_dir() and p.parent.name in ("export", "quantize", "data")
+                   and not (p / "manifest.json").is_file()]
+        assert not partial and not list((mount / ".tmp").glob("*")), partial
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True, capture_output=True)
+        again = run_cli(args, cwd=tmp_path)
+        assert again.returncode in (0, 1), again.stdout[-1500:] + again.stderr[-2500:]
+        assert "reusing" in again.stderr or "reusing" in again.stdout  # what was finished before is kept
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

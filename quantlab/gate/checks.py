@@ -293,12 +293,18 @@ def power_warnings(checks: list[Check]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- baseline
 def load_baseline(path: str, provenance: dict) -> dict:
-    """Read gate.baseline (an earlier run's metrics.json) for the regression checks. Exit 2 when it is missing,
-    not JSON, of another schema, measured on another model or eval data, or without per-window values."""
+    """Read gate.baseline (an earlier run's directory or its metrics.json) for the regression checks. Exit 2 when it
+    is missing, not JSON, of another schema, measured on another model or eval data, or without per-window values."""
     p = Path(path).expanduser()
+    if p.is_dir():  # a run directory, as a user naturally gives it: its metrics.json
+        if not (p / "metrics.json").is_file():
+            raise QuantlabError(f"gate.baseline {p} is a directory without a metrics.json (not an evaluated run)",
+                                fix="point gate.baseline at the directory of an earlier run that evaluated (or at "
+                                    "its metrics.json)")
+        p = p / "metrics.json"
     if not p.is_file():
         raise QuantlabError(f"gate.baseline {p} does not exist",
-                            fix="point gate.baseline at an earlier run's metrics.json")
+                            fix="point gate.baseline at an earlier run's directory or its metrics.json")
     try:
         base = json.loads(p.read_text())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
