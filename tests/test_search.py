@@ -2,6 +2,7 @@
 the torch engine, all through the CLI in a subprocess; plus the frontier's algebra on synthetic scores."""
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shlex
@@ -181,11 +182,14 @@ def test_plan_with_search_is_refused(tiny_llama, tmp_path):
 # ------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def searched(tiny_llama, tmp_path_factory):
-    """int4 and fp8 per layer under a gate uniform int4 fails: the frontier mixes formats."""
+    """int4 and fp8 per layer under a gate uniform int4 fails and uniform fp8 passes, so the search brackets the
+    boundary with mixed configurations and finds a winner. The bar is mean KL <= 6e-4 (top-1 relaxed to 0.9, which
+    every configuration clears by > 0.04): measured on this model, uniform int4's KL interval is [7.3e-4, 1.0e-3]
+    (fails outright), uniform fp8's [2.3e-4, 4.9e-4] (passes); top-1 >= 0.97 sat within 0.005 of both verdicts."""
     root = tmp_path_factory.mktemp("search")
     cache = root / "cache"
     args = [*SEARCH, f"model.path={tiny_llama}", "search.formats=[int4_awq,fp8]", "search.max_evaluations=4",
-            "gate.thresholds.top1_agreement.min=0.97", "hydra.run.dir=outputs/s"]
+            "gate.thresholds.top1_agreement.min=0.9", "gate.thresholds.kl_mean.max=0.0006", "hydra.run.dir=outputs/s"]
     t0 = time.time()
     res = run_cli(args, cwd=root, cache=cache, timeout=900)
     return {"root": root, "cache": cache, "args": args, "res": res, "run": root / "outputs" / "s",
@@ -194,10 +198,12 @@ def searched(tiny_llama, tmp_path_factory):
 
 def test_search_end_to_end(searched):
     res, run = searched["res"], searched["run"]
-    assert res.returncode in (0, 1), res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]
     doc = read_json(run / "search.json")
     rows = doc["evaluations"]
     assert 1 <= doc["evaluations_used"] == len(rows) <= 4
+    verdicts = {r["label"]: r["verdict"] for r in rows}
+    assert verdicts["k0"] == "FAIL" and verdicts["uniform fp8"] == "PASS", verdicts  # the gate brackets the frontier
     assert doc["tokens_used"] == sum(r["tokens"] for r in rows) > 0
     for r in rows:  # every evaluation is a real gate run of the exported checkpoint by the torch engine
         sub = read_json(Path(r["run_dir"]) / "metrics.json")
@@ -216,21 +222,22 @@ def test_search_end_to_end(searched):
     assert algos == {"W4A16_AWQ", "FP8"}, algos
     md = (run / "report.md").read_text()
     assert "frontier" in md.lower() and all(r["label"] in md for r in rows)
-    assert (run / "frontier.png").is_file() or "frontier.png" not in md
-    if res.returncode == 0:
-        assert doc["winner"] and (run / "winner").resolve() == Path(doc["winner"]["export"]).resolve()
-        passing = [r for r in rows if r["verdict"] == "PASS"]
-        assert doc["winner"]["bits"] == min(r["bits"] for r in passing)
-        assert doc["winner"]["layer_map"]["rows"]
-    else:
-        assert doc["no_quantization_passes"] and "no quantization passes" in res.stdout
+    # the frontier plot: report.md points to report.html, which embeds it as a PNG (no separate file is written)
+    assert "the plot is in report.html" in md
+    plot = re.search(r'<img id="frontier"[^>]* src="data:image/png;base64,([A-Za-z0-9+/=]+)"',
+                     (run / "report.html").read_text())
+    assert plot and base64.b64decode(plot.group(1)).startswith(b"\x89PNG\r\n\x1a\n")
+    assert doc["winner"] and (run / "winner").resolve() == Path(doc["winner"]["export"]).resolve()
+    assert not doc["no_quantization_passes"] and "cheapest passing configuration" in res.stdout
+    passing = [r for r in rows if r["verdict"] == "PASS"]
+    assert doc["winner"]["bits"] == min(r["bits"] for r in passing)
+    assert doc["winner"]["layer_map"]["rows"]
 
 
 def test_winner_reproduces_alone(searched):
     """python -m quantlab engine.checkpoint=WINNER (the command the report prints) gives the search's verdict."""
     doc = read_json(searched["run"] / "search.json")
-    if doc["winner"] is None:
-        pytest.skip("nothing passed on this tiny model; the end-to-end test checked the exit-1 evidence instead")
+    assert doc["winner"] is not None, "the fixture's gate is chosen so that a configuration passes"
     cmd = shlex.split(doc["winner"]["reproduce"])
     assert cmd[:3] == ["python", "-m", "quantlab"] and not any(a.startswith(("+search", "search.")) for a in cmd)
     res = run_cli([*cmd[3:], "hydra.run.dir=outputs/again"], cwd=searched["root"], cache=searched["cache"])
