@@ -4,13 +4,15 @@ Setup (issue "Search"): default model (SmolLM2-135M-Instruct), calibration 16 x 
 evaluation WikiText-2 test at 512 tokens (the sequential gate, cap --max-windows windows), the default gate's base
 thresholds applied to every configuration (gate.per_precision off: one quality bar).
 
-1. The search, as a user runs it (`python -m quantlab +search=cheapest ...`, in-process through quantlab.api):
+1. The search, as a user runs it (`python -m quantlab +search=cheapest ...`, in-process through the search driver,
+   as quantlab.api runs it, so that its calibrated model can be handed on to step 2):
    formats int4_awq / fp8 / none per layer group, int4 at the model's block (64) and at --block-sizes (default none;
    per-layer group size is a dimension AutoQuantize does not search; 128 does not divide this model's 576 inputs),
    cost = stored bits, sensitivity --sensitivity (AutoQuantize's gradient scores, or measured). Wall time,
    evaluations, tokens, the winner.
 2. AutoQuantize over its own formats (INT4-AWQ at the model's block, FP8, none), calibrated on the same data (its
-   per-format calibration and gradient scores; the search's own sensitivity artifact when it used the same): its
+   per-format calibration and gradient scores; the search's own sensitivity, calibrated model included, when it
+   used the same): its
    own pick (`_resolve_best_recipe`, its LP over its scores and costs) at
    an effective-bits budget, exported and judged by the same gate on the exported checkpoint:
    - at the winner's AutoQuantize bits;
@@ -36,6 +38,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def autoquantize_sensitivity(overrides: list[str], searched):
+    """(config, choices, Sensitivity) of AutoQuantize over its own formats. When that is the sensitivity the search
+    used (same model, data and formats: `searched`, the search's), the search's object is handed on, calibrated model
+    included; a new Sensitivity would calibrate again (same result, minutes on this model)."""
+    from quantlab import api
+    from quantlab.graph import Executor
+    from quantlab.models import quantized_in_dims
+    from quantlab.pipeline import context
+    from quantlab.search.checks import choices_for
+    from quantlab.search.sensitivity import Sensitivity
+    from quantlab.stages import data, prepare
+
+    cfg = api.config(overrides)
+    ctx = context(cfg)
+    r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
+    choices = choices_for(cfg, quantized_in_dims(r.value("prepare")))
+    sens = Sensitivity(cfg, ctx, r, choices)
+    return cfg, choices, (searched if sens.key() == searched.key() else sens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw"))
@@ -55,12 +77,11 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from quantlab import api
-    from quantlab.graph import Executor
-    from quantlab.models import quantized_in_dims
-    from quantlab.pipeline import context
-    from quantlab.search import driver as search
-    from quantlab.stages import data, prepare
+    from quantlab.compose import compose
+    from quantlab.search import driver
+    from quantlab.search.candidates import evaluate_candidate
+    from quantlab.search.frontier import Candidate, totals
+    from quantlab.search.frontier import uniform as uniform_candidate
 
     data_dir = Path(args.data)
     common = [f"cache_dir={args.cache}",
@@ -74,7 +95,9 @@ def main() -> None:
     run_dir = out / "search"
     print("$ python -m quantlab " + " ".join(overrides), flush=True)
     t0 = time.time()
-    result = api.run(overrides, run_dir)
+    search_cfg, snapshot = compose(overrides)
+    searched = driver.open_search(search_cfg, run_dir.resolve(), snapshot, overrides)  # what api.run does, in 2 steps
+    result = driver.search(searched)
     search_s = time.time() - t0
     doc = json.loads((run_dir / "search.json").read_text())
     print(f"search: exit {result.exit_code} in {search_s:.0f} s, {doc['evaluations_used']} evaluations", flush=True)
@@ -82,25 +105,20 @@ def main() -> None:
     # ---- AutoQuantize's own picks, same calibration data, same gate: AutoQuantize over its own formats (INT4-AWQ at
     # the model's block, FP8, none), the search's sensitivity artifact when the search used the same formats
     aq_overrides = ["+search=cheapest", *common, "search.int4_block_sizes=[]", "search.sensitivity=autoquantize"]
-    cfg = api.config(aq_overrides)
-    ctx = context(cfg)
-    r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
-    choices = search.choices_for(cfg, quantized_in_dims(r.value("prepare")))
-    sens = search.Sensitivity(cfg, ctx, r, choices)
+    cfg, choices, sens = autoquantize_sensitivity(aq_overrides, searched.sens)
     groups, fixed_params, scores_doc = sens.load()
     by_name = {c.name: c for c in choices}
     aq_int4 = next(c.name for c in choices if c.precision == "int4_awq")  # AutoQuantize's INT4: the model's block
     t1 = time.time()
 
-    def candidate(label: str, assignment: dict) -> search.Candidate:
+    def candidate(label: str, assignment: dict) -> Candidate:
         assignment = {g.leader: assignment[g.leader] for g in groups}
-        bits, aq, pred = search.totals(groups, by_name, assignment, fixed_params)
-        return search.Candidate(label, assignment, bits, aq, pred)
+        bits, aq, pred = totals(groups, by_name, assignment, fixed_params)
+        return Candidate(label, assignment, bits, aq, pred)
 
-    def judged(cand: search.Candidate) -> dict:
-        ev = search.evaluate_candidate(cfg, ctx, sens, groups, scores_doc["fixed_modules"], cand, "none",
-                                       out / "autoquantize", [])
-        row = ev.row(by_name)
+    def judged(cand: Candidate) -> dict:
+        ev = evaluate_candidate(cfg, sens, cand, "none", out / "autoquantize", [])
+        row = ev.row()
         print(f"  {cand.label}: {cand.aq_bits:.3f} AQ bits, {cand.bits:.3f} stored -> {row['verdict']} "
               f"(ppl ratio {row['metrics']['ppl_ratio']['value']:.4f}, "
               f"top-1 {row['metrics']['top1_agreement']['value']:.4f})",
@@ -117,7 +135,7 @@ def main() -> None:
         hit = next((r_ for r_ in doc["evaluations"]
                     if r_["formats"] == {name: len(groups)} and r_["kv_cache"] == "none"),
                    None)
-        uniform[name] = hit or judged(search.uniform(groups, by_name, name, fixed_params))
+        uniform[name] = hit or judged(uniform_candidate(groups, by_name, name, fixed_params))
     winner = doc["winner"]
     aq_winner_bits = aq_at(winner["aq_bits"]) if winner else None
     lo, hi = uniform[aq_int4]["aq_bits"], uniform["fp8"]["aq_bits"]

@@ -55,7 +55,10 @@ def main() -> None:
     from quantlab.graph import Executor
     from quantlab.models import quantized_in_dims
     from quantlab.pipeline import context
-    from quantlab.search import driver as search
+    from quantlab.search.checks import choices_for
+    from quantlab.search.frontier import frontier
+    from quantlab.search.sensitivity import Sensitivity
+    from quantlab.search.sensitivity import mean_nll as model_nll
     from quantlab.stages import data, prepare
 
     data_dir = Path(args.data)
@@ -66,9 +69,9 @@ def main() -> None:
     cfg = api.config(overrides)
     ctx = context(cfg)
     r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
-    choices = search.choices_for(cfg, quantized_in_dims(r.value("prepare")))
+    choices = choices_for(cfg, quantized_in_dims(r.value("prepare")))
     by_name = {c.name: c for c in choices}
-    sens = search.Sensitivity(cfg, ctx, r, choices)
+    sens = Sensitivity(cfg, ctx, r, choices)
     t0 = time.time()
     groups, fixed_params, scores_doc = sens.load()
     sens.ensure_model()
@@ -85,7 +88,7 @@ def main() -> None:
     batches = torch.split(tokens, 4)  # a batch per forward (one window at a time is launch-bound on a GPU)
 
     def mean_nll() -> float:
-        return search.mean_nll(model, batches)
+        return model_nll(model, batches)
 
     none = {g.leader: "none" for g in groups}
     t1 = time.time()
@@ -110,7 +113,7 @@ def main() -> None:
                                [ma - mb for ma, mb in zip(measured[a], measured[b], strict=True)])
         rows[f"{a} -> {b} (saved)"] = {"spearman": float(rho), "p": float(p), "groups": len(groups)}
     # additivity along the frontier
-    chain = search.frontier(groups, by_name, cfg.search.cost, fixed_params)
+    chain = frontier(groups, by_name, cfg.search.cost, fixed_params)
     picks = sorted({int(round(i)) for i in np.linspace(0, len(chain) - 2, args.candidates)})
     index = {g.leader: i for i, g in enumerate(groups)}
     add_rows = []

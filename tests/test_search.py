@@ -2,6 +2,7 @@
 the torch engine, all through the CLI in a subprocess; plus the frontier's algebra on synthetic scores."""
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shlex
@@ -20,7 +21,7 @@ def _cache_entries(cache: Path) -> set[str]:
 
 # ------------------------------------------------------------------------------------- frontier algebra
 def _groups():
-    from quantlab.search.driver import Choice, Group
+    from quantlab.search.frontier import Choice, Group
 
     choices = {c.name: c for c in (Choice("int4_awq", 32), Choice("fp8"), Choice(None))}
     groups = [Group("a.quant_recipe", ["a"], 100, {"int4_awq@32": 5.0, "fp8": 1.0, "none": 0.0}),
@@ -31,7 +32,7 @@ def _groups():
 
 
 def test_frontier_is_monotone_and_skips_dominated_formats():
-    from quantlab.search.driver import frontier, uniform
+    from quantlab.search.frontier import frontier, uniform
 
     groups, choices = _groups()
     chain = frontier(groups, choices, "bits", fixed_params=50)
@@ -56,7 +57,7 @@ def test_every_frontier_candidate_is_the_best_assignment_at_its_cost():
     upgrade order that ignored how many weights a group has would buy expensive groups too early and fail here."""
     import itertools
 
-    from quantlab.search.driver import Choice, Group, frontier, totals
+    from quantlab.search.frontier import Choice, Group, frontier, totals
 
     choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
     sizes = [50, 800, 120, 400, 60]
@@ -81,7 +82,7 @@ def test_latency_frontier_is_the_best_assignment_at_its_predicted_latency():
     least-loss assignment at its predicted latency (brute force)."""
     import itertools
 
-    from quantlab.search.driver import Choice, Group, LatencyModel, frontier
+    from quantlab.search.frontier import Choice, Group, LatencyModel, frontier
     from quantlab.search.latency import per_weight_costs
 
     choices = {c.name: c for c in (Choice("int4_awq", 64), Choice("fp8"), Choice(None))}
@@ -112,12 +113,9 @@ def test_latency_frontier_is_the_best_assignment_at_its_predicted_latency():
 
 
 def test_next_k_interpolates_inside_the_bracket():
-    from quantlab.search import driver as search
-    from quantlab.search.driver import next_k
+    from quantlab.search.frontier import Candidate, frontier, next_k
 
     groups, choices = _groups()
-    from quantlab.search.driver import frontier
-
     chain = frontier(groups, choices, "bits", fixed_params=0)
 
     def doc(slack_value):  # a gate document whose only check has this normalized slack
@@ -128,7 +126,7 @@ def test_next_k_interpolates_inside_the_bracket():
     assert 0 < k < len(chain) - 1
     assert next_k(chain, [(chain[0], doc(-0.5)), (chain[2], doc(0.3))], 0, 2, 0.0) == 1
     # never creeping: on a long bracket the next point is in its middle half
-    long = [search.Candidate(f"k{i}", {}, 4 + i / 10, 4 + i / 10, 1.0 - i / 100, i) for i in range(101)]
+    long = [Candidate(f"k{i}", {}, 4 + i / 10, 4 + i / 10, 1.0 - i / 100, i) for i in range(101)]
     k = next_k(long, [(long[0], doc(-0.9)), (long[100], doc(0.001))], 0, 100, 0.0)
     assert 25 <= k <= 75
 
@@ -169,10 +167,10 @@ def test_bad_search_options_are_named_before_the_model_is_read(extra, needle):
     from conftest import compose
 
     from quantlab.errors import QuantlabError
-    from quantlab.search import driver as search
+    from quantlab.search.checks import check_search_config
 
     with pytest.raises(QuantlabError, match=re.escape(needle)) as err:
-        search.check_search_config(compose([*SEARCH, *extra])[0])
+        check_search_config(compose([*SEARCH, *extra])[0])
     assert err.value.fix
 
 
@@ -184,11 +182,14 @@ def test_plan_with_search_is_refused(tiny_llama, tmp_path):
 # ------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def searched(tiny_llama, tmp_path_factory):
-    """int4 and fp8 per layer under a gate uniform int4 fails: the frontier mixes formats."""
+    """int4 and fp8 per layer under a gate uniform int4 fails and uniform fp8 passes, so the search brackets the
+    boundary with mixed configurations and finds a winner. The bar is mean KL <= 6e-4 (top-1 relaxed to 0.9, which
+    every configuration clears by > 0.04): measured on this model, uniform int4's KL interval is [7.3e-4, 1.0e-3]
+    (fails outright), uniform fp8's [2.3e-4, 4.9e-4] (passes); top-1 >= 0.97 sat within 0.005 of both verdicts."""
     root = tmp_path_factory.mktemp("search")
     cache = root / "cache"
     args = [*SEARCH, f"model.path={tiny_llama}", "search.formats=[int4_awq,fp8]", "search.max_evaluations=4",
-            "gate.thresholds.top1_agreement.min=0.97", "hydra.run.dir=outputs/s"]
+            "gate.thresholds.top1_agreement.min=0.9", "gate.thresholds.kl_mean.max=0.0006", "hydra.run.dir=outputs/s"]
     t0 = time.time()
     res = run_cli(args, cwd=root, cache=cache, timeout=900)
     return {"root": root, "cache": cache, "args": args, "res": res, "run": root / "outputs" / "s",
@@ -197,10 +198,12 @@ def searched(tiny_llama, tmp_path_factory):
 
 def test_search_end_to_end(searched):
     res, run = searched["res"], searched["run"]
-    assert res.returncode in (0, 1), res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]
     doc = read_json(run / "search.json")
     rows = doc["evaluations"]
     assert 1 <= doc["evaluations_used"] == len(rows) <= 4
+    verdicts = {r["label"]: r["verdict"] for r in rows}
+    assert verdicts["k0"] == "FAIL" and verdicts["uniform fp8"] == "PASS", verdicts  # the gate brackets the frontier
     assert doc["tokens_used"] == sum(r["tokens"] for r in rows) > 0
     for r in rows:  # every evaluation is a real gate run of the exported checkpoint by the torch engine
         sub = read_json(Path(r["run_dir"]) / "metrics.json")
@@ -219,21 +222,22 @@ def test_search_end_to_end(searched):
     assert algos == {"W4A16_AWQ", "FP8"}, algos
     md = (run / "report.md").read_text()
     assert "frontier" in md.lower() and all(r["label"] in md for r in rows)
-    assert (run / "frontier.png").is_file() or "frontier.png" not in md
-    if res.returncode == 0:
-        assert doc["winner"] and (run / "winner").resolve() == Path(doc["winner"]["export"]).resolve()
-        passing = [r for r in rows if r["verdict"] == "PASS"]
-        assert doc["winner"]["bits"] == min(r["bits"] for r in passing)
-        assert doc["winner"]["layer_map"]["rows"]
-    else:
-        assert doc["no_quantization_passes"] and "no quantization passes" in res.stdout
+    # the frontier plot: report.md points to report.html, which embeds it as a PNG (no separate file is written)
+    assert "the plot is in report.html" in md
+    plot = re.search(r'<img id="frontier"[^>]* src="data:image/png;base64,([A-Za-z0-9+/=]+)"',
+                     (run / "report.html").read_text())
+    assert plot and base64.b64decode(plot.group(1)).startswith(b"\x89PNG\r\n\x1a\n")
+    assert doc["winner"] and (run / "winner").resolve() == Path(doc["winner"]["export"]).resolve()
+    assert not doc["no_quantization_passes"] and "cheapest passing configuration" in res.stdout
+    passing = [r for r in rows if r["verdict"] == "PASS"]
+    assert doc["winner"]["bits"] == min(r["bits"] for r in passing)
+    assert doc["winner"]["layer_map"]["rows"]
 
 
 def test_winner_reproduces_alone(searched):
     """python -m quantlab engine.checkpoint=WINNER (the command the report prints) gives the search's verdict."""
     doc = read_json(searched["run"] / "search.json")
-    if doc["winner"] is None:
-        pytest.skip("nothing passed on this tiny model; the end-to-end test checked the exit-1 evidence instead")
+    assert doc["winner"] is not None, "the fixture's gate is chosen so that a configuration passes"
     cmd = shlex.split(doc["winner"]["reproduce"])
     assert cmd[:3] == ["python", "-m", "quantlab"] and not any(a.startswith(("+search", "search.")) for a in cmd)
     res = run_cli([*cmd[3:], "hydra.run.dir=outputs/again"], cwd=searched["root"], cache=searched["cache"])
@@ -250,7 +254,9 @@ def test_an_export_the_audit_stops_is_a_failed_candidate(searched, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from quantlab import api, search
+    from quantlab import api
+    from quantlab.search.candidates import evaluate_export
+    from quantlab.search.frontier import Candidate, Evaluation, slack
 
     rows = read_json(searched["run"] / "search.json")["evaluations"]
     bad = tmp_path / "bad"
@@ -266,14 +272,15 @@ def test_an_export_the_audit_stops_is_a_failed_candidate(searched, tmp_path):
         pytest.fail("the export has no weight_scale tensor")
     cfg = api.config([a for a in searched["args"] if not a.startswith("hydra.")] +
                      [f"cache_dir={searched['cache']}"])
-    code, doc = search._evaluate_export(cfg, bad, "none", tmp_path / "eval", [])
-    assert code == 1 and not doc["gate"]["passed"] and doc["audit_errors"]
+    result = evaluate_export(cfg, bad, "none", tmp_path / "eval", [])
+    assert result.exit_code == 1 and not result.passed and result.audit_errors
+    assert result.doc is None  # nothing was evaluated: the pipeline's RunResult has no metrics document
     assert not (tmp_path / "eval" / "metrics.json").exists()
-    ev = search.Evaluation("broken", search.Candidate("broken", {}, 4.5, 4.0, 1.0), "none", str(bad),
-                           str(tmp_path / "eval"), code, doc)
-    row = ev.row({})
+    ev = Evaluation("broken", Candidate("broken", {}, 4.5, 4.0, 1.0), "none", str(bad), result)
+    row = ev.row()
     assert row["verdict"] == "FAIL" and row["failed"][0].startswith("audit [") and row["windows"] == 0
-    assert row["metrics"]["ppl_ratio"] == {"value": None, "ci": None} and search.slack(doc) == -1.0
+    assert row["metrics"]["ppl_ratio"] == {"value": None, "ci": None} and slack(result.doc) == -1.0
+    assert row["exit_code"] == 1 and row["slack"] == -1.0
 
 
 def test_rerun_and_stricter_gate_reuse_every_artifact(searched):
@@ -361,12 +368,14 @@ def test_moe_model_is_refused_with_the_alternative(family_model, tmp_path):
 
 def test_measured_sensitivity_is_the_nll_increase_of_each_group_alone(tiny_llama, tmp_path):
     """search.sensitivity=measured: every group's score is the measured increase of mean NLL with that group alone at
-    the format; recomputed here for one group through ModelOpt directly, on the same calibrated model state the
-    search used (same process: quantlab.api)."""
-    from quantlab import api, search
+    the format; recomputed here for one group through ModelOpt directly, on the calibrated model the Sensitivity that
+    scored it owns (calibrated in this process)."""
+    from quantlab import api
     from quantlab.graph import Executor
     from quantlab.models import quantized_in_dims
     from quantlab.pipeline import context
+    from quantlab.search.checks import choices_for
+    from quantlab.search.sensitivity import Sensitivity
     from quantlab.stages import data, prepare
 
     overrides = [*SEARCH, f"model.path={tiny_llama}", f"cache_dir={tmp_path / 'cache'}", "search.sensitivity=measured",
@@ -374,7 +383,7 @@ def test_measured_sensitivity_is_the_nll_increase_of_each_group_alone(tiny_llama
     cfg = api.config(overrides)
     ctx = context(cfg)
     r = Executor(ctx, [prepare.step(ctx), data.step(ctx, data.CALIB), data.step(ctx, data.EVAL)])
-    sens = search.Sensitivity(cfg, ctx, r, search.choices_for(cfg, quantized_in_dims(r.value("prepare"))))
+    sens = Sensitivity(cfg, ctx, r, choices_for(cfg, quantized_in_dims(r.value("prepare"))))
     groups, _, doc = sens.load()
     assert doc["method"] == "measured"
     assert set(doc["spearman_vs_autoquantize"]) == {n for n in groups[0].scores if n != "none"}

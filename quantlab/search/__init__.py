@@ -1,2 +1,3 @@
 """+search=cheapest: the cheapest per-layer quantization that passes the gate, proven on the exported checkpoint
-(quantlab.search.driver has the whole story). Nothing is imported here."""
+(quantlab.search.driver has the whole story; frontier, checks, sensitivity, candidates and latency its parts).
+Nothing is imported here."""

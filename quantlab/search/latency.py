@@ -6,13 +6,13 @@ computed, as a server does) through the model the engine runs: the exported chec
 the same device. `warmup` passes first, then `repeats` timed passes (CUDA synchronized); the median is the
 latency, the interquartile range its noise.
 
-The search's latency model (quantlab.search): the unquantized model and every uniform format are measured; a
-format's cost per weight is (uniform latency - unquantized latency) / searched weights, so a configuration's
-predicted latency is the unquantized latency plus, per group, its weights times its format's cost per weight
-(linear layers' work is proportional to their weights at a fixed token count). A format that is not at least
-`min_speedup` faster than the unquantized model when applied everywhere is not faster: its cost per weight is
-clamped at 0 (it then never beats `none`, which loses nothing). Every evaluated configuration is measured too, so
-the report shows predicted against measured.
+The search's latency model (latency_profile here; its algebra is quantlab.search.frontier.LatencyModel): the
+unquantized model and every uniform format are measured; a format's cost per weight is (uniform latency -
+unquantized latency) / searched weights, so a configuration's predicted latency is the unquantized latency plus,
+per group, its weights times its format's cost per weight (linear layers' work is proportional to their weights at a
+fixed token count). A format that is not at least `min_speedup` faster than the unquantized model when applied
+everywhere is not faster: its cost per weight is clamped at 0 (it then never beats `none`, which loses nothing).
+Every evaluated configuration is measured too, so the report shows predicted against measured.
 """
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ import logging
 import statistics
 import time
 from pathlib import Path
+
+from quantlab.config import Config
+from quantlab.search.candidates import export_candidate
+from quantlab.search.frontier import Choice, LatencyModel, uniform
+from quantlab.search.sensitivity import Sensitivity
 
 log = logging.getLogger("quantlab")
 
@@ -111,3 +116,42 @@ def per_weight_costs(none_ms: float, uniform_ms: dict[str, float], searched_weig
             costs[name] = max(ms - none_ms, 0.0) / searched_weights
             slow.append(name)
     return costs, slow
+
+
+def measure_latency(cfg: Config, ctx, path: Path | None, ref=None) -> dict:
+    """search.cost=latency: an export's latency in engine=torch, or (path None) the unquantized model's (ref)."""
+    s = cfg.search
+    args = (ctx.device, ctx.dtype, s.latency_batch, s.latency_tokens or cfg.eval.seq_len, s.latency_repeats,
+            cfg.model.device_map)
+    return measure_reference(ref, *args) if path is None else measure_export(path, *args)
+
+
+def latency_profile(sens: Sensitivity, choices: dict[str, Choice], ref, kv: str,
+                    timings: dict[str, dict]) -> LatencyModel:
+    """The unquantized model and every uniform format (exported; the exports are the search's own cached
+    artifacts) timed in engine=torch; each format's cost per weight from them.
+
+    Args:
+        sens: the search's sensitivity (config, context, groups and fixed parameters; exports the uniform formats).
+        choices: choice name -> Choice.
+        ref: the prepared unquantized model (quantlab.models.ModelRef).
+        kv: the KV cache format of the uniform exports.
+        timings: export path -> measurement, filled with each uniform export's (an evaluation reuses it).
+
+    Returns:
+        The latency model the frontier's costs come from.
+    """
+    cfg, ctx, groups = sens.cfg, sens.ctx, sens.groups
+    measured = {"none": measure_latency(cfg, ctx, None, ref)}
+    for name in choices:
+        if name == "none":
+            continue
+        path = export_candidate(sens, uniform(groups, choices, name, sens.fixed_params), kv)
+        measured[name] = timings[str(path)] = measure_latency(cfg, ctx, path)
+    none_ms = measured["none"]["ms"]
+    per_weight, slow = per_weight_costs(none_ms, {n: m["ms"] for n, m in measured.items() if n != "none"},
+                                        sum(g.params for g in groups), cfg.search.min_speedup)
+    log.info("search: latency of a %d x %d prefill in engine=torch: %s", cfg.search.latency_batch,
+             cfg.search.latency_tokens or cfg.eval.seq_len,
+             ", ".join(f"{n} {m['ms']:.1f} ms" for n, m in measured.items()))
+    return LatencyModel(none_ms, per_weight, measured, slow)
