@@ -37,7 +37,7 @@ search.min_speedup; the resolution stop still counts stored bits).
 The package by concern: frontier.py (the algebra, no torch), checks.py (what is refused before calibration),
 sensitivity.py (AutoQuantize, the calibrated model, exports and their self-check), candidates.py (export and
 evaluate a candidate), latency.py (timing, the latency model), this driver (one SearchRun), and
-quantlab.report.search (search.json and the reports).
+quantlab.search.report (search.json and the reports).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ from quantlab.artifacts import write_json_atomic
 from quantlab.config import Config
 from quantlab.env import versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK
-from quantlab.report.search import search_document, write_search_reports
 from quantlab.rundir import REPORT_FILES, SEARCH_FILES, RunResult, link, set_aside_previous
 from quantlab.search import checks
 from quantlab.search.candidates import evaluate_candidate
@@ -67,6 +66,7 @@ from quantlab.search.frontier import (
     uniform,
 )
 from quantlab.search.latency import latency_profile, measure_latency
+from quantlab.search.report import search_document, write_search_reports
 from quantlab.search.sensitivity import Sensitivity
 
 log = logging.getLogger("quantlab")
