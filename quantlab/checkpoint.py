@@ -90,6 +90,15 @@ def _checked_entry(file: Path, name: str, entry, data_size: int, data_start: int
     return offsets[0], offsets[1], name
 
 
+def read_json_file(file: Path, what: str, fix: str = "re-export or re-save the checkpoint; the file is damaged"):
+    """The JSON document in file (any type; the caller checks its shape); a file that is not UTF-8 JSON is a
+    QuantlabError naming it, with the fix."""
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise QuantlabError(f"{what} {file} is not valid JSON ({str(exc)[:120]})", fix=fix) from None
+
+
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -99,11 +108,7 @@ def safetensors_index(directory: Path) -> dict[str, str] | None:
     file = Path(directory) / SAFE_INDEX
     if not file.is_file():
         return None
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise QuantlabError(f"{file} is not valid JSON ({str(exc)[:120]})",
-                            fix="re-save the checkpoint; its index is damaged") from None
+    doc = read_json_file(file, "the index", fix="re-save the checkpoint; its index is damaged")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not (isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in weight_map.items())):
@@ -268,11 +273,8 @@ def read_quant_config(ckpt: Path, required: bool = False) -> QuantConfig | None:
             raise QuantlabError(f"{ckpt} has no {QUANT_CONFIG}, so it is not a ModelOpt export",
                                 fix="point at the directory export_hf_checkpoint() wrote")
         return None
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise QuantlabError(f"{file} is not valid JSON ({str(exc)[:120]})",
-                            fix="re-export the checkpoint; its hf_quant_config.json is damaged") from None
+    doc = read_json_file(file, "the quantization config",
+                         fix="re-export the checkpoint; its hf_quant_config.json is damaged")
     quant = doc.get("quantization") if isinstance(doc, dict) else None
     if not isinstance(quant, dict):
         raise QuantlabError(f"{file} has no 'quantization' object", fix="re-export the checkpoint")

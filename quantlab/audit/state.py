@@ -3,7 +3,6 @@ far, and what one check hands another (norms a fold of AWQ scales explains, the 
 family of checks is a module of functions over it (metadata, coverage, scales, weights, tensors, canary)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from quantlab.audit.layout import _layout
@@ -13,6 +12,7 @@ from quantlab.checkpoint import (
     CheckpointTensors,
     QuantConfig,
     read_headers,
+    read_json_file,
     tensor_index,
 )
 from quantlab.errors import QuantlabError
@@ -65,11 +65,7 @@ def read_json(path: Path, what: str) -> dict | None:
     """A JSON object file, None when absent; a damaged one is a QuantlabError naming it."""
     if not path.is_file():
         return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise QuantlabError(f"{what} {path} is not valid JSON ({str(exc)[:120]})",
-                            fix="re-export or re-save the checkpoint; the file is damaged") from None
+    doc = read_json_file(path, what)
     if not isinstance(doc, dict):
         raise QuantlabError(f"{what} {path} is not a JSON object", fix="re-export or re-save the checkpoint")
     return doc
