@@ -176,8 +176,26 @@ class StaticKV(_cache_base()):
 
 
 # ------------------------------------------------------------------------------------------------ attention
+SDPA_KWARGS = {"dropout", "scaling", "sliding_window", "is_causal", "position_ids", "use_cache", "cache_position",
+               "output_attentions", "output_router_logits"}  # what the grouped path reads or may safely ignore
+
+
+def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
+    """sdpa for one query token per sequence with grouped K/V heads, without expanding K/V: the query heads that
+    share a K/V head are laid along the query-length axis (q [B, Hkv, G*T, D]), so the cache is read as stored
+    (transformers' sdpa path copies it G times per layer and step when a mask is given)."""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    q = query.reshape(b, hkv, groups * t, d)
+    m = mask if t == 1 else mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, 1, groups * t, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
 def _decode_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own attention function with the cache's mask for this module's window."""
+    """The model's own attention function with the cache's mask for this module's window (for sdpa models and one
+    query token, torch's sdpa on grouped heads: the same attention, the cache read once)."""
     cache = module.quantlab_decode
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else module.quantlab_decode_window
     if window != module.quantlab_decode_window:
@@ -187,6 +205,12 @@ def _decode_attention(module, query, key, value, attention_mask, **kwargs):
         saved = cache.masks
         cache.build_masks([window], cache.mask_kind, query.dtype)
         mask, cache.masks = cache.masks[window], saved
+    grouped = (cache.mask_kind == "sdpa" and query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0
+               and key.shape[1] != query.shape[1] and set(kwargs) <= SDPA_KWARGS and not kwargs.get("dropout"))
+    if not torch.compiler.is_compiling():
+        cache.attention_paths.add("grouped sdpa" if grouped else cache.base_name)
+    if grouped:
+        return _grouped_sdpa(module, query, key, value, mask, **kwargs)
     return module.quantlab_decode_base(module, query, key, value, mask, **kwargs)
 
 
@@ -305,7 +329,9 @@ class Decoder:
             raise Unsupported("FP8 KV cache: some attention modules have no k_scale / v_scale")
         self.cache = StaticKV(len(modules), max_len, scales)
         self.cache.mask_kind = self.mask_kind
+        self.cache.base_name = implementation
         self.cache.window_mismatch = set()
+        self.cache.attention_paths = set()
         windows = set()
         for _, module in modules:
             base = (module.quantlab_base_attention if implementation.startswith(FP8_KV_PREFIX)
@@ -336,6 +362,7 @@ class Decoder:
         self.position = 0  # the host's copy of pos (uncaptured steps size their reads with it)
         self.graph = None
         self.capture_error: str | None = None
+        self.compile_error: str | None = None
 
     # ----------------------------------------------------------------------------------- forward passes
     @contextmanager
@@ -404,28 +431,40 @@ class Decoder:
         self.cache.seen = self.position
 
     def _capture(self) -> None:
-        """Warm the step up eagerly (compiling the layers first when asked) on a side stream, then capture it.
-        The warm-ups write the very K/V the first real step writes; the step's inputs are restored after each."""
+        """Warm the step up eagerly on a side stream (compiling the layers first when asked), then capture it.
+        The warm-ups write the very K/V the first real step writes; the step's inputs are restored after each. A
+        compilation that fails is dropped (captured uncompiled); a capture that fails leaves the steps uncaptured."""
         tokens, pos = self.tokens.clone(), self.pos.clone()
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(CAPTURE_WARMUPS):
-                    self._step(self.max_len, self.compile)
-                    self.tokens.copy_(tokens)
-                    self.pos.copy_(pos)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step(self.max_len, self.compile)
-            self.graph = graph
-        except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs, uncaptured
-            self.capture_error = f"{type(exc).__name__}: {exc}"
-            log.warning("decode: CUDA graph capture failed (%s); decoding uncaptured", self.capture_error)
-            torch.cuda.synchronize(self.device)
-            self.tokens.copy_(tokens)
-            self.pos.copy_(pos)
+        for compiled in ([True, False] if self.compile else [False]):
+            try:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(CAPTURE_WARMUPS):
+                        self._step(self.max_len, compiled)
+                        self.tokens.copy_(tokens)
+                        self.pos.copy_(pos)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._step(self.max_len, compiled)
+                self.graph, self.compile = graph, compiled
+                return
+            except Exception as exc:  # noqa: BLE001 - what cannot be compiled or captured still runs, uncaptured
+                error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                if compiled:
+                    self.compile_error = error
+                else:
+                    self.capture_error = error
+                log.warning("decode: %s failed (%s)", "compiling the layers" if compiled else "CUDA graph capture",
+                            error)
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception:  # noqa: BLE001 - a sticky capture error: the inputs are restored below anyway
+                    pass
+                self.tokens.copy_(tokens)
+                self.pos.copy_(pos)
+        self.compile = False
 
     def generate(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation of equal-length prompts [B, P] -> new ids [B, new_tokens] (on the model's device)."""
@@ -439,9 +478,11 @@ class Decoder:
 
     def describe(self) -> dict:
         return {"captured": self.graph is not None, "compiled": self.compile, "moe": self.moe,
-                "capture_error": self.capture_error, "kv_cache_bytes": self.cache.nbytes(),
+                "capture_error": self.capture_error, "compile_error": self.compile_error,
+                "kv_cache_bytes": self.cache.nbytes(),
                 "fp8_kv": any(layer.fp8 for layer in self.cache.layers), "mask": self.mask_kind,
-                "windows": [w for w in self.windows if w is not None]}
+                "windows": [w for w in self.windows if w is not None],
+                "attention": sorted(self.cache.attention_paths)}
 
     def close(self) -> None:
         """Drop the graph and the cache (and the attention modules' references to it)."""

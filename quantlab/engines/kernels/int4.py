@@ -8,10 +8,11 @@ q * scale computed exactly in fp32 and rounded once to the compute dtype, produc
 rounded to the compute dtype. Only the order of the fp32 accumulation differs from a dequantize-then-GEMM.
 
 K is a compile-time constant (a model has two or three input widths; a loop bound known to the compiler, and what
-Triton's CPU interpreter needs under NumPy 2.4). Two kernels: a GEMV for one row (decode at batch 1: each weight byte is read once and used once, so the product is
-an FMA and the tile stays in the layout it was loaded in) and a tensor-core GEMM (tl.dot) for more rows. Both are
-registered as one torch custom op (quantlab::w4a16_mm) so torch.compile traces through it and CUDA graphs capture
-it. Nothing is dequantized into memory: a layer holds N*K/2 bytes of codes and N*K/group scales.
+Triton's CPU interpreter needs under NumPy 2.4). Two kernels: a GEMV for one row (decode at batch 1: each weight
+byte is read once and used once, so the product is an FMA and the tile stays in the layout it was loaded in) and a
+tensor-core GEMM (tl.dot) for more rows. Both are registered as one torch custom op (quantlab::w4a16_mm) so
+torch.compile traces through it and CUDA graphs capture it. Nothing is dequantized into memory: a layer holds
+N*K/2 bytes of codes and N*K/group scales.
 """
 from __future__ import annotations
 
@@ -116,3 +117,38 @@ def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: 
         x = x * pqs
     w = (unpack_int4(packed).float() * scales.float().repeat_interleave(group, dim=1)).to(dtype)
     return x @ w.t()
+
+
+CHECK_CASES = ((1, 64, 256, 64, True), (1, 48, 128, 32, False), (3, 64, 384, 128, True), (20, 96, 256, 64, False))
+
+
+def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0) -> list[dict]:
+    """Both kernels against the exact arithmetic they implement, case by case (rows, N, K, group, with
+    pre_quant_scale): the input times pre_quant_scale rounded to the compute dtype, weights q * scale rounded once,
+    exact products accumulated in fp32 in any order, the output rounded once. `worst` is the largest error over
+    its bound (fp32 accumulation of |x||w| plus half an ulp of the output): at most 1 passes. Used by the tests
+    (Triton's CPU interpreter) and by bench/decode.py --check (on the GPU, at the model's shapes)."""
+    from quantlab.engines.qlayers import unpack_int4
+
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for rows, n, k, group, has_pqs in cases:
+        packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
+        for dtype in dtypes:
+            scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
+            pqs = (torch.rand(k, generator=g) + 0.5).to(dtype) if has_pqs else None
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            xs = x * pqs if has_pqs else x
+            w = (unpack_int4(packed).float() * scales.float().repeat_interleave(group, 1)).to(dtype)
+            exact = xs.double() @ w.double().t()
+            bound = ((xs.double().abs() @ w.double().abs().t()) * 2 * torch.finfo(torch.float32).eps
+                     + exact.abs() * torch.finfo(dtype).eps / 2 * (1 + 1e-6) + 1e-30)
+            args = [t.to(device) if t is not None else None for t in (x, packed, scales, pqs)]
+            for gemv in (True, False):
+                y = w4a16_launch(*args, group, gemv=gemv).cpu()
+                ok_shape = y.dtype == dtype and tuple(y.shape) == (rows, n)
+                worst = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
+                out.append({"rows": rows, "n": n, "k": k, "group": group, "pqs": has_pqs,
+                            "dtype": str(dtype).removeprefix("torch."), "kernel": "gemv" if gemv else "gemm",
+                            "worst": worst, "ok": ok_shape and worst <= 1.0})
+    return out
