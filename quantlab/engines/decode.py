@@ -313,7 +313,7 @@ class Decoder:
     replay once captured). capture: None = wherever possible (CUDA, one device, no expert routing)."""
 
     def __init__(self, model: nn.Module, head, take_hidden, batch: int, max_len: int, capture: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, keep_logits: bool = False):
         check_supported(model)
         self.model, self.head, self.take_hidden = model, head, take_hidden
         self.batch, self.max_len = batch, max_len
@@ -360,6 +360,8 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch, max_len + 1, dtype=torch.long, device=self.device)
         self.position = 0  # the host's copy of pos (uncaptured steps size their reads with it)
+        self.keep_logits = keep_logits  # each step's float32 logits kept in `logits` (checks, not decoding)
+        self.logits: torch.Tensor | None = None
         self.graph = None
         self.capture_error: str | None = None
         self.compile_error: str | None = None
@@ -411,6 +413,10 @@ class Decoder:
 
     def _step(self, read_length: int, compiled: bool) -> None:
         logits = self._run(self.tokens, self.pos, read_length, compiled)
+        if self.keep_logits:
+            if self.logits is None:  # allocated by the first (uncaptured) run: the graph writes into it
+                self.logits = torch.empty_like(logits)
+            self.logits.copy_(logits)
         nxt = logits.argmax(-1)
         self.tokens.copy_(nxt[:, None])
         self.out.index_copy_(1, self.pos + 1, nxt[:, None])
