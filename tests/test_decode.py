@@ -234,6 +234,29 @@ out["layer"] = {"no_dequantized_copy": kept.weight is None, "packed_bytes": kept
                 "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
                 "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
                                 for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
+
+# q/k/v and gate|up of a tiny Llama fused into one packed GEMM each: the same logits, bit for bit
+import transformers
+from quantlab.engines.hf import HFModelEngine
+from quantlab.engines.base import Limits
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2)).eval()
+for name, m in list(model.named_modules()):
+    if isinstance(m, torch.nn.Linear) and ".layers." in name:
+        codes = torch.randint(0, 256, (m.out_features // 2, m.in_features), generator=g, dtype=torch.uint8)
+        scales = torch.rand(m.out_features, m.in_features // 64, generator=g) * 0.02 + 2e-3
+        smooth = torch.rand(m.in_features, generator=g) + 0.5 if name.endswith(("o_proj", "down_proj")) else None
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                qlayers.Int4AwqLinear(codes, scales, 64, smooth, None, torch.float32, packed_kernel=True))
+engine = HFModelEngine(model, Limits(64, 64, 2), "int4")
+tokens = torch.randint(0, 500, (2, 9), generator=g)
+before = engine.logits(tokens)
+out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
+                 "mlp": type(model.model.layers[0].mlp).__name__,
+                 "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
 print("RESULT" + json.dumps(out))
 """
 
@@ -241,8 +264,9 @@ print("RESULT" + json.dumps(out))
 def test_int4_kernels_under_triton_interpreter():
     """The Triton W4A16 kernels (GEMV and GEMM) on the CPU under Triton's interpreter, in a fresh process (Triton
     reads TRITON_INTERPRET when triton.language is first imported): every case within its exact-arithmetic
-    bound (int4.check), and the layer the GPU builds (packed codes, the quantlab::w4a16_mm op) computing the
-    dequantized layer's outputs from the same weights while holding N*K/2 bytes of codes."""
+    bound (int4.check); the layer the GPU builds (packed codes, the quantlab::w4a16_mm op) computing the
+    dequantized layer's outputs from the same weights while holding N*K/2 bytes of codes; q/k/v and gate|up
+    fused into one GEMM each giving the same logits bit for bit."""
     import json
     import os
     import subprocess
@@ -258,3 +282,4 @@ def test_int4_kernels_under_triton_interpreter():
     layer = out["layer"]
     assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
     assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]

@@ -306,6 +306,8 @@ class Int4AwqLinear(QuantLinear):
                                  .to(compute_dtype))
         self.register_buffer("pre_quant_scale",
                              None if pre_quant_scale is None else pre_quant_scale.to(compute_dtype).reshape(-1))
+        self.siblings: SiblingGemm | None = None  # q/k/v fused into one GEMM (fuse_int4_siblings)
+        self.sibling_index = 0
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
@@ -324,10 +326,18 @@ class Int4AwqLinear(QuantLinear):
             return (unpack_int4(self.weight_packed).float() * scales).to(self.weight_scale.dtype).float()
         return self.weight.float()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is None:
+            return super().forward(x)
+        shape = x.shape  # one GEMM for q/k/v: the siblings are handed the same input object
+        y = self.siblings.output(x, x.reshape(-1, shape[-1]), self.sibling_index).float()
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_kernel:
-            return torch.ops.quantlab.w4a16_mm(x.to(self.weight_scale.dtype), self.weight_packed,
-                                               self.weight_scale, self.pre_quant_scale, self.block).float()
+            return w4a16(x, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block).float()
         x = x.to(self.weight.dtype)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
@@ -474,6 +484,95 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
                 and (not gate.native or dtype == torch.bfloat16)):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8GatedMLP(gate, up, down))
+            fused += 1
+    return fused
+
+
+# ------------------------------------------------------------------------------- W4A16 sibling fusion
+def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
+          block: int) -> torch.Tensor:
+    """The packed W4A16 GEMM (quantlab::w4a16_mm) on x [M, K] in the scales' dtype -> [M, N] in that dtype."""
+    return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
+
+
+class SiblingGemm:
+    """Packed W4A16 siblings reading one input (q/k/v, one pre_quant_scale after export's resmoothing) as one GEMM
+    over their concatenated codes and scales: the first sibling called computes every output, the others take
+    theirs, matched by input identity as SharedActivation matches. Each output is the same dot product, in the
+    same order, as its own layer's GEMM (the kernels tile N, never K, across programs): one launch, wider N,
+    identical values. The siblings' codes and scales are views into the concatenation (no copy is kept)."""
+
+    def __init__(self, layers: list[Int4AwqLinear]):
+        self.packed = torch.cat([m.weight_packed for m in layers])
+        self.scales = torch.cat([m.weight_scale for m in layers])
+        self.pqs, self.block = layers[0].pre_quant_scale, layers[0].block
+        self.bounds, start = [], 0
+        for m in layers:
+            self.bounds.append((start, start + m.out_features))
+            m.weight_packed = self.packed[start // 2: (start + m.out_features) // 2]
+            m.weight_scale = self.scales[start: start + m.out_features]
+            start += m.out_features
+        self.count = len(layers)
+        self._held = None  # (the input object, the fused output, takers left)
+
+    def output(self, x: torch.Tensor, rows: torch.Tensor, index: int) -> torch.Tensor:
+        held = self._held
+        if held is None or held[0] is not x:
+            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block), self.count)
+        left = held[2] - 1
+        self._held = None if left == 0 else (held[0], held[1], left)
+        lo, hi = self.bounds[index]
+        return held[1][:, lo:hi]
+
+
+class Int4GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with packed W4A16 gate/up as one GEMM over their concatenated codes (the same
+    values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
+    modeling code computes them, then down."""
+
+    kernel = "triton int4 GEMM (W4A16, packed): gate|up one GEMM, down"
+
+    def __init__(self, gate: Int4AwqLinear, up: Int4AwqLinear, down: nn.Module, act_fn):
+        super().__init__()
+        self.register_buffer("weight_packed", torch.cat([gate.weight_packed, up.weight_packed]))
+        self.register_buffer("weight_scale", torch.cat([gate.weight_scale, up.weight_scale]))
+        self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
+        self.block, self.inter = gate.block, gate.out_features
+        self.down, self.act_fn = down, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block)
+        y = y.to(x.dtype)
+        h = self.act_fn(y[:, : self.inter]) * y[:, self.inter:]
+        return self.down(h).reshape(*shape[:-1], -1)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def fuse_int4_siblings(model: nn.Module) -> int:
+    """Packed W4A16 layers reading one input become one GEMM: q/k/v (SiblingGemm) and gated MLPs (Int4GatedMLP),
+    where the layers share their group size and pre_quant_scale and have no bias. Returns the groups fused."""
+    fused = 0
+    for name, module in list(model.named_modules()):
+        qkv = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in qkv)
+                and len({m.block for m in qkv}) == 1 and all(_same(m.pre_quant_scale, qkv[0].pre_quant_scale)
+                                                             for m in qkv)):
+            group = SiblingGemm(qkv)
+            for i, m in enumerate(qkv):
+                m.siblings, m.sibling_index = group, i
+            fused += 1
+        gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        act = getattr(module, "act_fn", None)
+        if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in (gate, up))
+                and isinstance(down, nn.Module) and act is not None and gate.block == up.block
+                and _same(gate.pre_quant_scale, up.pre_quant_scale) and getattr(down, "bias", None) is None):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    Int4GatedMLP(gate, up, down, act))
             fused += 1
     return fused
 
