@@ -169,6 +169,7 @@ class Fp8Linear(QuantLinear):
         if not native:
             self.register_buffer("weight_f32", weight.float())  # exact: every E4M3 value is an fp32 value
         self.shared: SharedActivation | None = None  # set when siblings read the same activation
+        self.shared_index = 0
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
@@ -183,8 +184,12 @@ class Fp8Linear(QuantLinear):
         if self.shared is None:
             return super().forward(x)
         shape = x.shape  # siblings are handed the same input object: the shared quantize matches on it
-        xq = self.shared.quantize(x, x.reshape(-1, shape[-1]))
-        y = self.gemm(xq, x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32)
+        rows = x.reshape(-1, shape[-1])
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if self.shared.weight is not None and rows.shape[0] <= DECODE_ROWS:
+            y = self.shared.output(x, rows, self.shared_index, out_dtype)
+        else:
+            y = self.gemm(self.shared.quantize(x, rows), out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -368,6 +373,8 @@ class SharedActivation:
     def __init__(self, inv_scale: torch.Tensor, siblings: int):
         self.inv_scale, self.siblings = inv_scale, siblings
         self._held = None  # (the input object, its quantized rows, takers left)
+        self.weight = None  # native siblings: their weights concatenated, one GEMM up to DECODE_ROWS rows
+        self._held_gemm = None
 
     def quantize(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """rows = x reshaped to [M, K]: its FP8 quantize, computed once for the siblings reading x."""
@@ -377,6 +384,32 @@ class SharedActivation:
         left = held[2] - 1
         self._held = None if left == 0 else (held[0], held[1], left)
         return held[1]
+
+    def concatenate(self, layers: list[Fp8Linear]) -> None:
+        """Hold the native siblings' weights as one [sum N, K] tensor (theirs become views of it) for `output`."""
+        self.weight = torch.cat([m.weight.view(torch.uint8) for m in layers]).view(torch.float8_e4m3fn)
+        self.bounds, self.alphas, start = [], [], 0
+        for m in layers:
+            m.weight = self.weight[start: start + m.out_features]
+            self.bounds.append((start, start + m.out_features))
+            self.alphas.append((m.input_scale * m.weight_scale).reshape(1, 1))
+            start += m.out_features
+        self.one = torch.ones((), device=self.weight.device)
+
+    def output(self, x: torch.Tensor, rows: torch.Tensor, index: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sibling `index`'s output for a few rows: one quantize and one per-tensor GEMM (fp32 out, unit scales)
+        for every sibling, then this sibling's columns times its input and weight scales, rounded to out_dtype (the
+        value its own scaled GEMM writes)."""
+        held = self._held_gemm
+        if held is None or held[0] is not x:
+            xq = fp8_quantize(rows, self.inv_scale)
+            acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                   out_dtype=torch.float32)
+            held = (x, acc, self.siblings)
+        left = held[2] - 1
+        self._held_gemm = None if left == 0 else (held[0], held[1], left)
+        lo, hi = self.bounds[index]
+        return (held[1][: rows.shape[0], lo:hi] * self.alphas[index]).to(out_dtype)
 
 
 def _silu_mul_quantize_eager(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
@@ -465,7 +498,8 @@ class Fp8GatedMLP(nn.Module):
 
 
 def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
-    """Share one activation quantize among q/k/v, and fuse every SiLU MLP of FP8 layers into Fp8GatedMLP.
+    """Share one activation quantize among q/k/v (native bf16 models: and one GEMM over their concatenated weights
+    for up to DECODE_ROWS rows), and fuse every SiLU MLP of FP8 layers into Fp8GatedMLP.
     Siblings are fused only when export gave them one input scale (it does for shared inputs). Native MLPs are
     fused in bf16 models only (row-wise scaled FP8 GEMMs write bf16). Returns the number of groups fused."""
     fused = 0
@@ -473,8 +507,11 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
         qkv = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(m, Fp8Linear) for m in qkv) and len({float(m.input_scale) for m in qkv}) == 1:
             shared = SharedActivation(qkv[0].inv_input_scale, len(qkv))
-            for m in qkv:
-                m.shared = shared
+            for i, m in enumerate(qkv):
+                m.shared, m.shared_index = shared, i
+            if (all(m.native and m.bias is None for m in qkv) and dtype == torch.bfloat16
+                    and _fp32_scaled_mm(str(qkv[0].weight.device))):
+                shared.concatenate(qkv)  # decode steps: one GEMM for q/k/v
             fused += 1
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         act = getattr(module, "act_fn", None)
