@@ -566,14 +566,15 @@ def _sweep_shape(rows: int, n: int, k: int, g) -> dict:
                                        out_dtype=torch.bfloat16), 50) * 1e3
     gemv = rows <= int4.GEMV_MAX_ROWS
     if gemv:
-        configs = [{"GROUPS": gr, "BLOCK_N2": bn, "num_warps": nw}
-                   for gr in (1, 4) for bn in (4, 8, 16) for nw in (4, 8)]
+        configs = [({"GROUPS": gr, "BLOCK_N2": bn, "num_warps": 4}, asm)
+                   for gr in (1, 4) for bn in (8, 16) for asm in (False, True)]
     else:
-        configs = [{"BLOCK_M": 16, "BLOCK_N2": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
-                   for bn in (16, 32, 64) for bk in (64, 128) for st in (3, 4)]
+        configs = [({"BLOCK_M": 16, "BLOCK_N2": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}, False)
+                   for bn in (16, 32, 64) for bk in (64, 128)]
     timings = []
-    for cfg in configs:
-        fn = functools.partial(int4.w4a16_launch, x, packed, scales, None, GROUP, config=cfg, gemv=gemv)
+    for cfg, asm in configs:
+        fn = functools.partial(int4.w4a16_launch, x, packed, scales, None, GROUP, config=cfg, gemv=gemv, asm=asm)
+        cfg = {**cfg, "asm": asm}
         try:
             fn()
             timings.append((cuda_ms(fn, 50) * 1e3, cfg))
