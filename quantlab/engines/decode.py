@@ -205,6 +205,8 @@ def _decode_attention(module, query, key, value, attention_mask, **kwargs):
         saved = cache.masks
         cache.build_masks([window], cache.mask_kind, query.dtype)
         mask, cache.masks = cache.masks[window], saved
+    if mask.device != query.device:  # a model spread over devices: masks are built where the positions are
+        mask = mask.to(query.device)
     grouped = (cache.mask_kind == "sdpa" and query.shape[2] == 1 and query.shape[1] % key.shape[1] == 0
                and key.shape[1] != query.shape[1] and set(kwargs) <= SDPA_KWARGS and not kwargs.get("dropout"))
     if not torch.compiler.is_compiling():
