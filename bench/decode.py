@@ -251,14 +251,14 @@ def check_fp8_kv() -> dict:
 
 # ------------------------------------------------------------------------------------------------ the 8B model
 def build_reference(layers: int, shape: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**shape, num_hidden_layers=layers)
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    say(f"  bf16 {layers}-layer model built: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     return model
 
 
@@ -421,7 +421,9 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
     weights = sizes["weights"] + head_bytes
     read_weights = weights - sizes["embedding"]
     out = {"weights_GB": weights / 1e9, "plan": getattr(engine, "plan", None), "batches": {}}
-    say(f"  {prec}: weights {weights / 1e9:.2f} GB ({read_weights / 1e9:.2f} GB read per decode step)")
+    kernels = (out["plan"] or {}).get("kernels", ["torch (bf16)"])
+    say(f"  {prec}: weights {weights / 1e9:.2f} GB ({read_weights / 1e9:.2f} GB read per decode step); "
+        f"kernels: {'; '.join(kernels)}")
     context = args.context
     for batch in args.batches:
         if elapsed() > args.budget_s - 20:
@@ -618,7 +620,7 @@ def main() -> int:
                         help="capture the decode step without compiling its layers")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the W4A16 config sweep")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting sections after this")
     parser.add_argument("--workdir", default=None, help="where the exports are written (default: /dev/shm or tmp)")
     parser.add_argument("--out", default=None, help="JSON results (default: $OUT/decode.json when OUT is set)")
     parser.add_argument("--smoke", action="store_true",
@@ -701,7 +703,7 @@ def main() -> int:
     if workroot is not None:
         shutil.rmtree(workroot, ignore_errors=True)
     if args.sweep:
-        section("int4_sweep", 45, budget + 60)(int4_sweep)
+        section("int4_sweep", 40, budget + 40)(int4_sweep)
 
     summary(precisions, args)
     if out_path:
