@@ -608,7 +608,7 @@ def _sweep_shape(rows: int, n: int, k: int, g) -> dict:
     gemv = rows <= int4.GEMV_MAX_ROWS
     if gemv:
         configs = [({"GROUPS": gr, "BLOCK_N2": bn, "num_warps": 4}, asm)
-                   for gr in (1, 4) for bn in (8, 16) for asm in (False, True)]
+                   for gr in (1, 2, 4) for bn in (8, 16) for asm in (False, True)]
     else:
         configs = [({"BLOCK_M": 16, "BLOCK_N2": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}, False)
                    for bn in (16, 32, 64) for bk in (64, 128)]
