@@ -165,6 +165,8 @@ def check_families(new_tokens: int = 12, prompt: int = 20) -> dict:
             prompts = torch.randint(3, 500, (2, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
             ids = engine.greedy(prompts, new_tokens)
             info = dict(engine.decode_info)
+            if info.get("cached") is False:  # the engine fell back to re-running full sequences: say why
+                raise RuntimeError(f"the cached decode did not run: {info}")
             full_ids = Engine.greedy(engine, prompts, new_tokens)
             dec = decode.Decoder(model, engine.head, engine.captured.take, 2, prompt + new_tokens + 1,
                                  keep_logits=True)

@@ -50,6 +50,11 @@ class HFModelEngine(Engine):
             log.info("greedy: %s; re-running the full sequence each step", why)
             self.decode_info = {"cached": False, "why": str(why)}
             return super().greedy(prompts, new_tokens)
+        except Exception as exc:  # noqa: BLE001 - a modeling file the cached path does not fit: same ids, slower
+            log.warning("greedy: the cached decode failed (%s: %s); re-running the full sequence each step",
+                        type(exc).__name__, str(exc)[:300])
+            self.decode_info = {"cached": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            return super().greedy(prompts, new_tokens)
         finally:
             self.routers.taken = []
         self.forward_batches += new_tokens
