@@ -108,7 +108,9 @@ class Engine:
         """Greedy continuation of equal-length prompts [B, P] -> new ids [B, new_tokens].
 
         Re-runs the full sequence each step: slower than a KV cache, but identical numerics for every engine
-        (quantized K/V are written and read on every step)."""
+        (quantized K/V are written and read on every step). Engines over HF models (HFModelEngine, the torch engine
+        included) decode with a static KV cache instead (quantlab.engines.decode), to the same ids; this stays
+        their fallback and the reference their tests compare with."""
         import torch
 
         self.limits.check(prompts.shape[0], prompts.shape[1], new_tokens)

@@ -3,11 +3,15 @@ the torch engine's model built from the exported checkpoint. The output embeddin
 forward pass yields final hidden states and the head makes logits chunk by chunk (quantlab.engines.head)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from quantlab.engines.base import Engine, Limits, Outputs
 from quantlab.engines.head import CapturedHead
+
+log = logging.getLogger("quantlab")
 
 
 class HFModelEngine(Engine):
@@ -21,6 +25,9 @@ class HFModelEngine(Engine):
         self.head = self.captured.head
         self.routers = RouterCapture(model)
         self._verified = False
+        self.decode_capture: bool | None = None  # CUDA graphs for decode steps: None = wherever they apply
+        self.decode_compile = False  # compile the decoder layers first (worth it for long generations only)
+        self.decode_info: dict | None = None  # what the last greedy ran (quantlab.engines.decode)
 
     def _forward(self, tokens) -> Outputs:
         import torch
@@ -29,6 +36,31 @@ class HFModelEngine(Engine):
         with torch.no_grad():
             self.model(tokens.to(self.device), use_cache=False)
         return Outputs(hidden=self.captured.take(), head=self.head, router=self.routers.take(*tokens.shape))
+
+    def greedy(self, prompts, new_tokens: int):
+        """Greedy continuation with a static KV cache: one prefill, then one token per step, captured in a CUDA
+        graph on GPUs (quantlab.engines.decode); the same ids as re-running the full sequence every step (the
+        base class's greedy, used when a model cannot take the cache)."""
+        from quantlab.engines import decode
+
+        self.limits.check(prompts.shape[0], prompts.shape[1], new_tokens)
+        self.routers.taken = []
+        try:
+            ids, self.decode_info = decode.greedy(self.model, self.head, self.captured.take, prompts, new_tokens,
+                                                  capture=self.decode_capture, compile=self.decode_compile)
+        except decode.Unsupported as why:
+            log.info("greedy: %s; re-running the full sequence each step", why)
+            self.decode_info = {"cached": False, "why": str(why)}
+            return super().greedy(prompts, new_tokens)
+        except Exception as exc:  # noqa: BLE001 - a modeling file the cached path does not fit: same ids, slower
+            log.warning("greedy: the cached decode failed (%s: %s); re-running the full sequence each step",
+                        type(exc).__name__, str(exc)[:300])
+            self.decode_info = {"cached": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            return super().greedy(prompts, new_tokens)
+        finally:
+            self.routers.taken = []
+        self.forward_batches += new_tokens
+        return ids.to(prompts.device)
 
     def head_weights(self) -> tuple:
         """(weight, bias) of the real output module (the reference's head is stored as weights)."""

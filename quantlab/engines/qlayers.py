@@ -7,10 +7,12 @@ report and the audit never branch on format names.
                 elsewhere exact emulation: fp8 products are exact in fp32, accumulation in fp32.
 - Int8SqLinear: SmoothQuant W8A8: x * pre_quant_scale, static per-tensor int8 activations, per-channel int8
                 weights, int32 accumulation with torch._int_mm.
-- Int4AwqLinear: W4A16: int4 unpacked once, group scales along the input dimension, pre_quant_scale.
+- Int4AwqLinear: W4A16: int4 with group scales along the input dimension, pre_quant_scale; packed on GPUs
+                (quantlab's Triton kernel), dequantized once elsewhere.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,11 @@ def _run_fused(name: str, eager, x: torch.Tensor, *args):
 
     Compiled once per function (creating the wrapper per call costs milliseconds). Only the row count is
     dynamic: a symbolic feature dimension makes the generated kernel ~2.6x slower (measured on an H200).
-    emulate_precision_casts keeps the eager ops' intermediate roundings, so fused and unfused agree bit for bit."""
+    emulate_precision_casts keeps the eager ops' intermediate roundings, so fused and unfused agree bit for bit.
+    Inside a region torch.compile is tracing (the decode path's compiled layers) the eager ops are returned
+    as they are: the enclosing compilation fuses them with their neighbours."""
+    if torch.compiler.is_compiling():
+        return eager(x, *args)
     if x.is_cuda and _fused.get("ok", True):
         try:
             if name not in _fused:
@@ -165,6 +171,7 @@ class Fp8Linear(QuantLinear):
         if not native:
             self.register_buffer("weight_f32", weight.float())  # exact: every E4M3 value is an fp32 value
         self.shared: SharedActivation | None = None  # set when siblings read the same activation
+        self.shared_index = 0
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, _fmt, ctx):
@@ -177,8 +184,22 @@ class Fp8Linear(QuantLinear):
         """weight x weight_scale."""
         return self.weight.float() * self.weight_scale
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return super().forward(x)
+        shape = x.shape  # siblings are handed the same input object: the shared quantize matches on it
+        rows = x.reshape(-1, shape[-1])
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if self.shared.weight is not None and rows.shape[0] <= DECODE_ROWS:
+            y = self.shared.output(x, rows, self.shared_index, out_dtype)
+        else:
+            y = self.gemm(self.shared.quantize(x, rows), out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        xq = self.shared.quantize(x) if self.shared is not None else fp8_quantize(x, self.inv_input_scale)
+        xq = fp8_quantize(x, self.inv_input_scale)
         return self.gemm(xq, x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32)
 
     def gemm(self, xq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -269,35 +290,69 @@ class Int8SqLinear(QuantLinear):
 
 class Int4AwqLinear(QuantLinear):
     """AWQ W4A16: int4 weights (packed two per byte along the output dimension) with one scale per group of
-    `block` inputs, dequantized once at load into the compute dtype. The input is multiplied by
-    pre_quant_scale when the checkpoint has one; the GEMM runs in the compute dtype."""
+    `block` inputs, held in the compute dtype as W4A16 kernels take them. The input is multiplied by
+    pre_quant_scale when the checkpoint has one; each weight is q * scale rounded to the compute dtype and the GEMM
+    accumulates in fp32.
 
-    kernel = "int4 dequantize (W4A16)"
+    On GPUs (where Triton is) the weights stay packed - N*K/2 bytes - and quantlab's W4A16 kernel
+    (quantlab.engines.kernels.int4) dequantizes them in registers; elsewhere they are dequantized once at load
+    into the compute dtype and the GEMM is torch's. Both compute the same values."""
 
     def __init__(self, packed: torch.Tensor, weight_scale: torch.Tensor, block: int,
-                 pre_quant_scale: torch.Tensor | None, bias: torch.Tensor | None, compute_dtype: torch.dtype):
-        q = unpack_int4(packed)
-        super().__init__(q.shape[1], q.shape[0], bias)
-        scales = weight_scale.float().repeat_interleave(block, dim=1)
-        self.register_buffer("weight", (q.float() * scales).to(compute_dtype))
+                 pre_quant_scale: torch.Tensor | None, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                 packed_kernel: bool = False):
+        super().__init__(packed.shape[1], packed.shape[0] * 2, bias)
         self.block = block
+        scales = weight_scale.to(compute_dtype)
+        self.packed_kernel = packed_kernel
+        if packed_kernel:
+            from quantlab.engines.kernels import int4  # noqa: F401 - registers quantlab::w4a16_mm
+
+            self.kernel = "triton int4 GEMM (W4A16, weights kept packed)"
+            self.register_buffer("weight_packed", packed.contiguous())  # uint8 [N/2, K]
+            self.register_buffer("weight_scale", scales.contiguous())  # [N, K/block]
+            self.weight = None
+        else:
+            self.kernel = "int4 dequantize (W4A16)"
+            q = unpack_int4(packed)
+            self.register_buffer("weight", (q.float() * scales.float().repeat_interleave(block, dim=1))
+                                 .to(compute_dtype))
         self.register_buffer("pre_quant_scale",
                              None if pre_quant_scale is None else pre_quant_scale.to(compute_dtype).reshape(-1))
+        self.siblings: SiblingGemm | None = None  # q/k/v fused into one GEMM (fuse_int4_siblings)
+        self.sibling_index = 0
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
         """int4 codes packed [N/2, K], group scales [N, K/group_size], optional pre_quant_scale [K], bias."""
+        from quantlab.engines.kernels import int4
+
         n, k, block = out_features, in_features, checked_group_size(name, in_features, fmt.group_size)
         pqs = t.optional(f"{name}.pre_quant_scale", shape=(k,))
         return cls(t.get(f"{name}.weight", torch.uint8, (n // 2, k)),
                    cls._scale(f"{name}.weight_scale", t, (n, k // block)),
-                   block, pqs, cls._bias(name, n, has_bias, t), ctx.compute_dtype)
+                   block, pqs, cls._bias(name, n, has_bias, t), ctx.compute_dtype,
+                   packed_kernel=ctx.device.startswith("cuda") and int4.available())
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as dequantized at load (before pre_quant_scale)."""
+        if self.packed_kernel:
+            scales = self.weight_scale.float().repeat_interleave(self.block, dim=1)
+            return (unpack_int4(self.weight_packed).float() * scales).to(self.weight_scale.dtype).float()
         return self.weight.float()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is None:
+            return super().forward(x)
+        shape = x.shape  # one GEMM for q/k/v: the siblings are handed the same input object
+        y = self.siblings.output(x, x.reshape(-1, shape[-1]), self.sibling_index).float()
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_kernel:
+            return w4a16(x, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block).float()
         x = x.to(self.weight.dtype)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
@@ -324,25 +379,57 @@ def plain_linear(t: CheckpointTensors, name: str, out_features: int, in_features
 # ------------------------------------------------------------------------------- shared-input fusion
 class SharedActivation:
     """One FP8 quantize for sibling layers that read the same activation with the same input scale (q/k/v):
-    the first sibling quantizes, the others reuse it. The cache holds the activation itself, so its memory
-    cannot be reused by another tensor while cached; it is matched by storage, shape, strides and the
-    in-place version counter, and dropped once every sibling has taken it."""
+    the first sibling called quantizes and holds the result, the others take it, and it is dropped once every
+    sibling has.
+
+    The held result is matched to the sibling's input by object identity: the modeling code hands q_proj, k_proj
+    and v_proj the very same tensor object, and holding that object keeps it alive, so no other tensor can be
+    mistaken for it (storage addresses and version counters, which an earlier version compared, can be reused and
+    cannot be read by torch.compile). Under CUDA graph capture and under torch.compile's tracing the Python runs
+    once: the hand-over is then plain data flow - one quantize kernel feeding three GEMMs - and replays need no
+    Python at all. A sibling called with another tensor (another order, an input moved between devices) simply
+    quantizes its own input: never wrong, only not shared."""
 
     def __init__(self, inv_scale: torch.Tensor, siblings: int):
         self.inv_scale, self.siblings = inv_scale, siblings
-        self._held = None  # (activation, key, quantized, takers left)
+        self._held = None  # (the input object, its quantized rows, takers left)
+        self.weight = None  # native siblings: their weights concatenated, one GEMM up to DECODE_ROWS rows
+        self._held_gemm = None
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        # tensors made under torch.inference_mode keep no version counter (and cannot be changed in place outside it)
-        """The FP8 activation of x: quantized by the first sibling that reads it, reused by the others."""
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), -1 if x.is_inference() else x._version)
-        if self._held is None or self._held[1] != key:
-            self._held = [x, key, fp8_quantize(x, self.inv_scale), self.siblings]
-        xq = self._held[2]
-        self._held[3] -= 1
-        if self._held[3] == 0:
-            self._held = None
-        return xq
+    def quantize(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """rows = x reshaped to [M, K]: its FP8 quantize, computed once for the siblings reading x."""
+        held = self._held
+        if held is None or held[0] is not x:
+            held = (x, fp8_quantize(rows, self.inv_scale), self.siblings)
+        left = held[2] - 1
+        self._held = None if left == 0 else (held[0], held[1], left)
+        return held[1]
+
+    def concatenate(self, layers: list[Fp8Linear]) -> None:
+        """Hold the native siblings' weights as one [sum N, K] tensor (theirs become views of it) for `output`."""
+        self.weight = torch.cat([m.weight.view(torch.uint8) for m in layers]).view(torch.float8_e4m3fn)
+        self.bounds, self.alphas, start = [], [], 0
+        for m in layers:
+            m.weight = self.weight[start: start + m.out_features]
+            self.bounds.append((start, start + m.out_features))
+            self.alphas.append((m.input_scale * m.weight_scale).reshape(1, 1))
+            start += m.out_features
+        self.one = torch.ones((), device=self.weight.device)
+
+    def output(self, x: torch.Tensor, rows: torch.Tensor, index: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Sibling `index`'s output for a few rows: one quantize and one per-tensor GEMM (fp32 out, unit scales)
+        for every sibling, then this sibling's columns times its input and weight scales, rounded to out_dtype (the
+        value its own scaled GEMM writes)."""
+        held = self._held_gemm
+        if held is None or held[0] is not x:
+            xq = fp8_quantize(rows, self.inv_scale)
+            acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                   out_dtype=torch.float32)
+            held = (x, acc, self.siblings)
+        left = held[2] - 1
+        self._held_gemm = None if left == 0 else (held[0], held[1], left)
+        lo, hi = self.bounds[index]
+        return (held[1][: rows.shape[0], lo:hi] * self.alphas[index]).to(out_dtype)
 
 
 def _silu_mul_quantize_eager(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
@@ -357,10 +444,36 @@ def silu_mul_quantize(y: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return _run_fused("silu_mul_quantize", _silu_mul_quantize_eager, y, inv_scale)
 
 
+def _scale_silu_mul_quantize_eager(acc: torch.Tensor, row_scale: torch.Tensor, inv_scale: torch.Tensor,
+                                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp32 GEMM accumulators [M, 2I] -> each column times its scale, rounded to bf16 (what a scaled GEMM writes),
+    then as _silu_mul_quantize_eager."""
+    return _silu_mul_quantize_eager((acc * row_scale).to(dtype), inv_scale)
+
+
+DECODE_ROWS = 64  # up to this many rows the gate|up GEMM runs per-tensor (fp32 out), row-wise scaled above
+
+
+@functools.cache
+def _fp32_scaled_mm(device: str) -> bool:
+    """Whether this GPU's torch._scaled_mm writes float32 with per-tensor scales (probed once, eagerly)."""
+    try:
+        a = torch.zeros(16, 32, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except Exception:  # noqa: BLE001 - not supported here: the row-wise path serves every size
+        return False
+
+
 class Fp8GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with FP8 gate/up/down: one quantize of x, one GEMM for gate and up together
     (row-wise weight scales keep each weight's own scale), then SiLU, the product and the quantize for down in
-    one kernel, then the down GEMM. The same arithmetic as the three Fp8Linear layers, in fewer passes."""
+    one kernel, then the down GEMM. The same arithmetic as the three Fp8Linear layers, in fewer passes.
+
+    Up to DECODE_ROWS rows (decode steps) the gate|up GEMM is a per-tensor scaled GEMM writing fp32 (unit
+    scales), and each column's scale is applied in the SiLU kernel before the bf16 rounding a scaled GEMM does:
+    the same values, at the per-tensor GEMM's speed (the row-wise GEMM is markedly slower at a few rows)."""
 
     kernel = "torch._scaled_mm (fp8): gate|up one GEMM, silu*up+quantize fused, down"
 
@@ -378,6 +491,8 @@ class Fp8GatedMLP(nn.Module):
         if not self.native:
             self.register_buffer("weight_f32", weight.float())
         self.down = down
+        self.fp32_gemm = self.native and _fp32_scaled_mm(str(weight.device))
+        self.register_buffer("one", torch.ones((), device=weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) with the FP8 arithmetic of three Fp8Linear layers."""
@@ -385,20 +500,27 @@ class Fp8GatedMLP(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         rows = x2.shape[0]
         xq = fp8_quantize(x2, self.inv_input_scale)
-        if self.native:
-            padded = _pad_rows(xq, 16)
-            ones = torch.ones(padded.shape[0], 1, device=x.device, dtype=torch.float32)
-            y = torch._scaled_mm(padded, self.weight.t(), scale_a=ones, scale_b=self.row_scale,
-                                 out_dtype=torch.bfloat16)  # fuse_shared_inputs fuses bf16 models only
+        if self.native and self.fp32_gemm and rows <= DECODE_ROWS:
+            acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                   out_dtype=torch.float32)
+            hq = _run_fused("scale_silu_mul_quantize", _scale_silu_mul_quantize_eager, acc, self.row_scale,
+                            self.down.inv_input_scale)
         else:
-            y = ((xq.float() @ self.weight_f32.t()) * self.row_scale).to(x.dtype)
-        hq = silu_mul_quantize(y, self.down.inv_input_scale)  # rows padded like y's on the native path
+            if self.native:
+                padded = _pad_rows(xq, 16)
+                ones = torch.ones(padded.shape[0], 1, device=x.device, dtype=torch.float32)
+                y = torch._scaled_mm(padded, self.weight.t(), scale_a=ones, scale_b=self.row_scale,
+                                     out_dtype=torch.bfloat16)  # fuse_shared_inputs fuses bf16 models only
+            else:
+                y = ((xq.float() @ self.weight_f32.t()) * self.row_scale).to(x.dtype)
+            hq = silu_mul_quantize(y, self.down.inv_input_scale)  # rows padded like y's on the native path
         out = self.down.gemm(hq, torch.bfloat16)[:rows]
         return out.to(x.dtype).reshape(*shape[:-1], self.down.out_features)
 
 
 def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
-    """Share one activation quantize among q/k/v, and fuse every SiLU MLP of FP8 layers into Fp8GatedMLP.
+    """Share one activation quantize among q/k/v (native bf16 models: and one GEMM over their concatenated weights
+    for up to DECODE_ROWS rows), and fuse every SiLU MLP of FP8 layers into Fp8GatedMLP.
     Siblings are fused only when export gave them one input scale (it does for shared inputs). Native MLPs are
     fused in bf16 models only (row-wise scaled FP8 GEMMs write bf16). Returns the number of groups fused."""
     fused = 0
@@ -406,8 +528,11 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
         qkv = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(m, Fp8Linear) for m in qkv) and len({float(m.input_scale) for m in qkv}) == 1:
             shared = SharedActivation(qkv[0].inv_input_scale, len(qkv))
-            for m in qkv:
-                m.shared = shared
+            for i, m in enumerate(qkv):
+                m.shared, m.shared_index = shared, i
+            if (all(m.native and m.bias is None for m in qkv) and dtype == torch.bfloat16
+                    and _fp32_scaled_mm(str(qkv[0].weight.device))):
+                shared.concatenate(qkv)  # decode steps: one GEMM for q/k/v
             fused += 1
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         act = getattr(module, "act_fn", None)
@@ -417,6 +542,95 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
                 and (not gate.native or dtype == torch.bfloat16)):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8GatedMLP(gate, up, down))
+            fused += 1
+    return fused
+
+
+# ------------------------------------------------------------------------------- W4A16 sibling fusion
+def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
+          block: int) -> torch.Tensor:
+    """The packed W4A16 GEMM (quantlab::w4a16_mm) on x [M, K] in the scales' dtype -> [M, N] in that dtype."""
+    return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
+
+
+class SiblingGemm:
+    """Packed W4A16 siblings reading one input (q/k/v, one pre_quant_scale after export's resmoothing) as one GEMM
+    over their concatenated codes and scales: the first sibling called computes every output, the others take
+    theirs, matched by input identity as SharedActivation matches. Each output is the same dot product, in the
+    same order, as its own layer's GEMM (the kernels tile N, never K, across programs): one launch, wider N,
+    identical values. The siblings' codes and scales are views into the concatenation (no copy is kept)."""
+
+    def __init__(self, layers: list[Int4AwqLinear]):
+        self.packed = torch.cat([m.weight_packed for m in layers])
+        self.scales = torch.cat([m.weight_scale for m in layers])
+        self.pqs, self.block = layers[0].pre_quant_scale, layers[0].block
+        self.bounds, start = [], 0
+        for m in layers:
+            self.bounds.append((start, start + m.out_features))
+            m.weight_packed = self.packed[start // 2: (start + m.out_features) // 2]
+            m.weight_scale = self.scales[start: start + m.out_features]
+            start += m.out_features
+        self.count = len(layers)
+        self._held = None  # (the input object, the fused output, takers left)
+
+    def output(self, x: torch.Tensor, rows: torch.Tensor, index: int) -> torch.Tensor:
+        held = self._held
+        if held is None or held[0] is not x:
+            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block), self.count)
+        left = held[2] - 1
+        self._held = None if left == 0 else (held[0], held[1], left)
+        lo, hi = self.bounds[index]
+        return held[1][:, lo:hi]
+
+
+class Int4GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with packed W4A16 gate/up as one GEMM over their concatenated codes (the same
+    values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
+    modeling code computes them, then down."""
+
+    kernel = "triton int4 GEMM (W4A16, packed): gate|up one GEMM, down"
+
+    def __init__(self, gate: Int4AwqLinear, up: Int4AwqLinear, down: nn.Module, act_fn):
+        super().__init__()
+        self.register_buffer("weight_packed", torch.cat([gate.weight_packed, up.weight_packed]))
+        self.register_buffer("weight_scale", torch.cat([gate.weight_scale, up.weight_scale]))
+        self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
+        self.block, self.inter = gate.block, gate.out_features
+        self.down, self.act_fn = down, act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block)
+        y = y.to(x.dtype)
+        h = self.act_fn(y[:, : self.inter]) * y[:, self.inter:]
+        return self.down(h).reshape(*shape[:-1], -1)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def fuse_int4_siblings(model: nn.Module) -> int:
+    """Packed W4A16 layers reading one input become one GEMM: q/k/v (SiblingGemm) and gated MLPs (Int4GatedMLP),
+    where the layers share their group size and pre_quant_scale and have no bias. Returns the groups fused."""
+    fused = 0
+    for name, module in list(model.named_modules()):
+        qkv = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in qkv)
+                and len({m.block for m in qkv}) == 1 and all(_same(m.pre_quant_scale, qkv[0].pre_quant_scale)
+                                                             for m in qkv)):
+            group = SiblingGemm(qkv)
+            for i, m in enumerate(qkv):
+                m.siblings, m.sibling_index = group, i
+            fused += 1
+        gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        act = getattr(module, "act_fn", None)
+        if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in (gate, up))
+                and isinstance(down, nn.Module) and act is not None and gate.block == up.block
+                and _same(gate.pre_quant_scale, up.pre_quant_scale) and getattr(down, "bias", None) is None):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    Int4GatedMLP(gate, up, down, act))
             fused += 1
     return fused
 

@@ -21,7 +21,14 @@ from quantlab.config import DEVICE_MAPS
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
 from quantlab.engines.moe import swap_experts
-from quantlab.engines.qlayers import QLAYERS, LayerContext, checked_scale, fp8_qdq, fuse_shared_inputs
+from quantlab.engines.qlayers import (
+    QLAYERS,
+    LayerContext,
+    checked_scale,
+    fp8_qdq,
+    fuse_int4_siblings,
+    fuse_shared_inputs,
+)
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
@@ -257,6 +264,7 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None
     # q/k/v and gate/up read one activation: quantize it once, one GEMM each group (where the GEMMs are native)
     native = device.type == "cuda" and device.has_fp8
     shared = fuse_shared_inputs(model, dtype) if native else 0  # fuses FP8 siblings only
+    shared += fuse_int4_siblings(model) if device.type == "cuda" else 0  # packed W4A16 (GPU layers only)
     placed = dispatch(model, dmap, device_map)
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
     plan = {"quant_algo": quant.quant_algo, "kv_cache": kv, "quantized_layers": len(replaced),

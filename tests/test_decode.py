@@ -1,0 +1,285 @@
+"""Cached greedy decoding (quantlab.engines.decode) against what it replaces: the full-sequence forward re-run every
+step. For every family of the support table (tiny trained models, fp32 on the CPU) and every format the torch engine
+runs (real ModelOpt exports): the same greedy ids, each step's logits equal to the full forward's at that position,
+the layers compiled once per layer kind with no graph break (dynamo traced on the CPU: the graphs and guards the GPU
+compiles), FP8 KV stored in E4M3 and equal to the full-sequence quantize-dequantize, and the W4A16 Triton kernel
+(run by Triton's CPU interpreter where Triton is installed) against the dequantized layer."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import FAST, _family_configs, run_api
+
+from quantlab.engines import decode, qlayers
+from quantlab.engines.base import Engine, Limits
+from quantlab.engines.hf import HFModelEngine
+from quantlab.errors import QuantlabError
+
+PROMPT, NEW = 20, 12  # 20 prompt tokens + 12 new: past the tiny sliding windows (16)
+
+
+def _prompts(batch=2, length=PROMPT, seed=3):
+    return torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _load_family(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantlab.models import attn_implementation
+
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"dtype": torch.float32}
+    if implementation := attn_implementation(config.to_dict()):
+        kwargs["attn_implementation"] = implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def _step_logits_error(engine, prompts, ids) -> float:
+    """Largest |cached - full| over the prefill's last position and every decode step, the steps reading the
+    whole static cache under the mask exactly as the captured GPU step does; relative to the logits' scale."""
+    seq = torch.cat([prompts, ids.to(prompts.device)], 1)
+    with torch.no_grad():
+        full = engine.forward(seq).logits(0, seq.shape[1])
+    dec = decode.Decoder(engine.model, engine.head, engine.captured.take, seq.shape[0], seq.shape[1] + 1,
+                         capture=False)
+    p = prompts.shape[1]
+    with torch.no_grad():
+        worst = (dec._run(seq[:, :p], torch.arange(p), p) - full[:, p - 1]).abs().max().item()
+        for j in range(p, seq.shape[1]):
+            dec.pos.fill_(j)
+            dec.tokens.copy_(seq[:, j:j + 1])
+            worst = max(worst, (dec._run(dec.tokens, dec.pos, dec.max_len) - full[:, j]).abs().max().item())
+    info = dec.describe()
+    assert not dec.cache.window_mismatch, dec.cache.window_mismatch
+    dec.close()
+    return worst / max(1.0, full.abs().max().item()), info
+
+
+def _compiled_ids(engine, prompts, steps=3):
+    """Greedy ids from the decode step with its decoder layers compiled (dynamo, eager backend), the counters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    decode._COMPILED.clear()
+    counters.clear()
+    dec = decode.Decoder(engine.model, engine.head, engine.captured.take, prompts.shape[0],
+                         prompts.shape[1] + steps + 2, capture=False, compile=True)
+    dec.prefill(prompts)
+    with torch.no_grad():
+        for _ in range(steps):
+            dec._step(dec.max_len, True)
+            dec.position += 1
+    ids = dec.out[:, prompts.shape[1]: prompts.shape[1] + steps + 1].clone()
+    dec.close()
+    return ids, dict(counters["stats"]), dict(counters["graph_break"])
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    monkeypatch.setattr(decode, "COMPILE_BACKEND", "eager")
+    yield
+    torch._dynamo.reset()
+    decode._COMPILED.clear()
+
+
+@pytest.mark.parametrize("family", sorted(_family_configs()))
+def test_cached_greedy_equals_full_recompute(family, family_model, eager_compile):
+    model = _load_family(family_model(family))
+    engine = HFModelEngine(model, Limits(256, 256, 8), family)
+    prompts = _prompts()
+    cached = engine.greedy(prompts, NEW)
+    assert engine.forward_batches == NEW  # one prefill + NEW - 1 steps, counted as the re-run counted its passes
+    full = Engine.greedy(engine, prompts, NEW)  # the re-run-everything greedy
+    assert torch.equal(cached, full), (cached, full)
+    info = engine.decode_info
+    assert info["moe"] is (family in ("mixtral", "qwen3_moe"))
+    assert not info["captured"]  # CUDA graphs on GPUs only (bench/decode.py --check captures every family)
+    if family in ("mistral", "gemma2", "gemma3_text"):
+        assert info["windows"] == [16]  # the prompts are longer than the window: it is exercised
+    err, step_info = _step_logits_error(engine, prompts, cached)
+    assert err < 1e-5, err
+    if model.config._attn_implementation == "sdpa" and family not in ("gpt_neox", "opt"):
+        assert "grouped sdpa" in step_info["attention"]  # GQA models read the cache once per step
+    if info["moe"]:
+        return  # routed experts read the routing on the host: not compiled or captured
+    ids, stats, breaks = _compiled_ids(engine, prompts)
+    assert torch.equal(ids, full[:, :ids.shape[1]])
+    assert not breaks, breaks
+    # every decoder layer of a kind shares one compiled graph (Gemma 2 / 3: sliding and full layers)
+    assert stats["unique_graphs"] == (2 if family in ("gemma2", "gemma3_text") else 1), stats
+
+
+def test_kv_layer_fp8_is_stored_in_e4m3_and_equals_qdq():
+    g = torch.Generator().manual_seed(0)
+    k_scale, v_scale = torch.tensor(0.02), torch.tensor(0.05)
+    cache = decode.StaticKV(1, 10, {0: (k_scale, v_scale)})
+    key, value = torch.randn(2, 3, 4, 8, generator=g) * 4, torch.randn(2, 3, 4, 8, generator=g) * 20  # saturates
+    cache.positions, cache.read_length = torch.arange(4), 4
+    k, v = cache.update(key, value, 0)
+    assert cache.layers[0].keys.dtype == torch.uint8 and cache.layers[0].keys.shape == (2, 3, 10, 8)
+    assert torch.equal(k, qlayers.fp8_qdq(key, k_scale)) and torch.equal(v, qlayers.fp8_qdq(value, v_scale))
+    # a later write lands at its position and leaves the earlier ones as they were
+    cache.positions, cache.read_length = torch.tensor([4]), 10
+    k2, _ = cache.update(key[:, :, :1] * 0.5, value[:, :, :1], 0)
+    assert torch.equal(k2[:, :, :4], k) and torch.equal(k2[:, :, 4:5], qlayers.fp8_qdq(key[:, :, :1] * 0.5, k_scale))
+    assert torch.equal(k2[:, :, 5:], torch.zeros(2, 3, 5, 8))
+    assert cache.nbytes() == 2 * 2 * 3 * 10 * 8  # one byte per value
+
+
+def test_masks_follow_transformers_windows():
+    cache = decode.StaticKV(1, 8)
+    cache.positions, cache.read_length = torch.tensor([5]), 8
+    cache.build_masks([None, 3], "sdpa", torch.float32)
+    assert cache.masks[None][0, 0, 0].tolist() == [True] * 6 + [False] * 2
+    assert cache.masks[3][0, 0, 0].tolist() == [False] * 3 + [True] * 3 + [False] * 2  # key > query - window
+    cache.build_masks([None], "eager", torch.float16)
+    row = cache.masks[None][0, 0, 0]
+    assert row.dtype == torch.float16 and row[:6].eq(0).all() and row[6:].eq(torch.finfo(torch.float16).min).all()
+
+
+def test_decoder_refuses_what_it_cannot_hold(tiny_llama):
+    model = _load_family(tiny_llama)
+    engine = HFModelEngine(model, Limits(32, 40, 2), "reference")
+    with pytest.raises(QuantlabError, match="max_seq_len=40"):
+        engine.greedy(_prompts(2, 30), 11)
+    dec = decode.Decoder(model, engine.head, engine.captured.take, 2, 12, capture=False)
+    dec.prefill(_prompts(2, 10))
+    dec.step()
+    with pytest.raises(ValueError, match="holds 12 positions"):
+        dec.step()
+    with pytest.raises(decode.Unsupported, match="graph capture needs one CUDA device"):
+        decode.Decoder(model, engine.head, engine.captured.take, 2, 12, capture=True)
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(decode.Unsupported, match="flex_attention"):
+        decode.check_supported(model)
+
+
+EXPORTS = [("fp8", "fp8"), ("int8_sq", "none"), ("int4_awq", "fp8"), ("fp8_pc_pt", "none"), ("w4a8_awq", "none")]
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_llama, tmp_path_factory, shared_cache):
+    """Real ModelOpt exports of the tiny Llama, one per format the torch engine runs."""
+    out = {}
+    root = tmp_path_factory.mktemp("decode_exports")
+    for precision, kv in EXPORTS:
+        run_api([f"+precision={precision}", f"kv_cache={kv}", f"model.path={tiny_llama}", f"cache_dir={shared_cache}",
+                 "stop_after=export", *FAST], root / f"run_{precision}")
+        out[precision] = root / precision
+        shutil.copytree((root / f"run_{precision}" / "checkpoint").resolve(), out[precision])
+    return out
+
+
+@pytest.mark.parametrize("precision,kv", EXPORTS)
+def test_torch_engine_cached_decode(precision, kv, exports, eager_compile):
+    from quantlab.engines.torch_engine import TorchEngine, load_exported
+    from quantlab.env import resolve_device
+
+    device = resolve_device("cpu")
+    model, plan = load_exported(exports[precision], device, torch.float32)
+    if precision == "fp8":  # the GPU fuses shared inputs; the emulated path follows the same arithmetic
+        assert qlayers.fuse_shared_inputs(model, torch.float32) == 2 * model.config.num_hidden_layers
+    engine = TorchEngine(model, Limits(256, 256, 8), device, plan)
+    prompts = _prompts(seed=5)
+    cached = engine.greedy(prompts, NEW)
+    assert torch.equal(cached, Engine.greedy(engine, prompts, NEW))
+    assert engine.decode_info["fp8_kv"] == (kv == "fp8")
+    layers = model.config.num_hidden_layers
+    kv_heads, head_dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    width = 1 if kv == "fp8" else 4  # E4M3 bytes, or fp32
+    assert engine.decode_info["kv_cache_bytes"] == 2 * layers * 2 * kv_heads * (PROMPT + NEW) * head_dim * width
+    err, _ = _step_logits_error(engine, prompts, cached)
+    assert err < 1e-5, err
+    ids, stats, breaks = _compiled_ids(engine, prompts)
+    assert torch.equal(ids, cached[:, :ids.shape[1]])
+    assert not breaks and stats["unique_graphs"] == 1, (stats, breaks)
+
+
+def test_shared_quantize_is_matched_by_identity():
+    """q/k/v handed one tensor share one quantize; a different tensor (even with equal values at the same storage)
+    is quantized on its own; the held result is dropped once every sibling took it."""
+    g = torch.Generator().manual_seed(1)
+    shared = qlayers.SharedActivation(torch.tensor(100.0), 3)
+    x = torch.randn(2, 5, 8, generator=g)
+    first = shared.quantize(x, x.reshape(-1, 8))
+    assert shared.quantize(x, x.reshape(-1, 8)) is first
+    view = x.view(2, 5, 8)  # same storage, another object: not taken for the held input
+    other = shared.quantize(view, view.reshape(-1, 8))
+    assert other is not first and torch.equal(other.float(), first.float())
+    assert shared._held is not None and shared._held[0] is view
+    shared.quantize(view, view.reshape(-1, 8))
+    shared.quantize(view, view.reshape(-1, 8))
+    assert shared._held is None
+
+
+# ------------------------------------------------------------------------------------------------ W4A16 kernel
+INTERPRETED = r"""
+import json, torch
+from modelopt.torch.export.quant_utils import pack_int4_in_uint8
+from quantlab.engines import qlayers
+from quantlab.engines.kernels import int4
+
+out = {"kernels": int4.check("cpu")}
+g = torch.Generator().manual_seed(7)
+n, k, block = 64, 256, 64
+scale = torch.rand(n, k // block, generator=g) * 0.05 + 0.01
+w = torch.randint(-8, 8, (n, k), generator=g).float() * scale.repeat_interleave(block, dim=1)
+packed = pack_int4_in_uint8(w, scale, block)
+pqs, bias = torch.rand(k, generator=g) + 0.5, torch.randn(n, generator=g)
+plain = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16)
+kept = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16, packed_kernel=True)
+out["layer"] = {"no_dequantized_copy": kept.weight is None, "packed_bytes": kept.weight_packed.numel(),
+                "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
+                "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
+                                for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
+
+# q/k/v and gate|up of a tiny Llama fused into one packed GEMM each: the same logits, bit for bit
+import transformers
+from quantlab.engines.hf import HFModelEngine
+from quantlab.engines.base import Limits
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2)).eval()
+for name, m in list(model.named_modules()):
+    if isinstance(m, torch.nn.Linear) and ".layers." in name:
+        codes = torch.randint(0, 256, (m.out_features // 2, m.in_features), generator=g, dtype=torch.uint8)
+        scales = torch.rand(m.out_features, m.in_features // 64, generator=g) * 0.02 + 2e-3
+        smooth = torch.rand(m.in_features, generator=g) + 0.5 if name.endswith(("o_proj", "down_proj")) else None
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                qlayers.Int4AwqLinear(codes, scales, 64, smooth, None, torch.float32, packed_kernel=True))
+engine = HFModelEngine(model, Limits(64, 64, 2), "int4")
+tokens = torch.randint(0, 500, (2, 9), generator=g)
+before = engine.logits(tokens)
+out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
+                 "mlp": type(model.model.layers[0].mlp).__name__,
+                 "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_int4_kernels_under_triton_interpreter():
+    """The Triton W4A16 kernels (GEMV and GEMM) on the CPU under Triton's interpreter, in a fresh process (Triton
+    reads TRITON_INTERPRET when triton.language is first imported): every case within its exact-arithmetic
+    bound (int4.check); the layer the GPU builds (packed codes, the quantlab::w4a16_mm op) computing the
+    dequantized layer's outputs from the same weights while holding N*K/2 bytes of codes; q/k/v and gate|up
+    fused into one GEMM each giving the same logits bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    bad = [c for c in out["kernels"] if not c["ok"]]
+    assert not bad and len(out["kernels"]) == 16, bad
+    layer = out["layer"]
+    assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
+    assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]
