@@ -17,10 +17,10 @@ documents; plain text is cut at blank lines; with doc_separator a line of plain 
 fully matches the regular expression starts a new document (WikiText: its ' = Title = ' article headings). A window
 belongs to the document that holds most of its text tokens (windows straddle documents; ties go to the earlier
 one); the document of a token is found from the tokenizer's character offsets, so the tokens are exactly those of
-the joined text. The look order: each document's windows in a seeded random order, document d's j-th window keyed
-(j + u_d) / n_d with a seeded offset u_d in [0, 1), all sorted by key (ties by a seeded document order). Every prefix
-then holds each document's windows in proportion to its size (within one), so an early look is a small version of the
-whole pool (proportional stratified, systematic sampling), and the cap keeps the first max_windows of that order.
+the joined text. The look order: window k of the order comes from the document furthest below its quota k n_d / N
+(ties by a seeded document order; each document's windows in a seeded random order), so every prefix holds each
+document's windows in proportion to its size, within one: an early look is a small version of the whole pool
+(proportional stratified sampling), and the cap keeps the first max_windows of that order.
 """
 from __future__ import annotations
 
@@ -374,36 +374,40 @@ def _separator(cfg: DataConfig, knob: str):
                                 "e.g. '^ = [^=].* = $' for WikiText's article headings") from None
 
 
+def _line_stream(chunks) -> Iterator[str]:
+    pending = ""
+    for chunk in chunks:
+        parts = (pending + chunk).split("\n")
+        pending = parts.pop()
+        for line in parts:
+            yield line + "\n"
+    if pending:
+        yield pending
+
+
 def _plain_parts(chunks, rx) -> Iterator[tuple[str, str | None]]:
     r"""Plain text as (part, label if the part starts a document): a document starts at a line fully matching rx,
-    or without rx at the first non-blank line after a blank one (and at the text's start). Lines keep their "\n"."""
-    pending, lines, blank_before, first = "", [], True, True
-    size, lines_label = 0, None
-
-    def line_stream():
-        nonlocal pending
-        for chunk in chunks:
-            parts = (pending + chunk).split("\n")
-            pending = parts.pop()
-            for line in parts:
-                yield line + "\n"
-        if pending:
-            yield pending
-
-    for line in line_stream():
+    or without rx at the first non-blank line after a blank one, once the current document has text (leading blank
+    lines belong to the first document). Labels are a document's first non-blank line. Lines keep their "\n"."""
+    lines, size, label, has_text, blank_before, started = [], 0, None, False, True, False
+    for line in _line_stream(chunks):
         body = line.rstrip("\r\n")
-        starts = first or (rx.fullmatch(body) is not None if rx else (blank_before and body.strip() != ""))
-        blank_before = body.strip() == ""
-        if starts or size >= CHUNK_CHARS:
-            if lines:
-                yield "".join(lines), lines_label
+        blank = not body.strip()
+        boundary = (rx.fullmatch(body) is not None) if rx else (blank_before and not blank)
+        if (boundary and has_text) or size >= CHUNK_CHARS:
+            yield "".join(lines), (None if started else label or "(blank)")
+            started = not (boundary and has_text)
+            if not started:
+                label, has_text = None, False
             lines, size = [], 0
-            lines_label = _snippet(line) or "(start)" if starts else None
-        first = False
+        if not blank and label is None:
+            label = _snippet(line)
+        has_text = has_text or not blank
+        blank_before = blank
         lines.append(line)
         size += len(line)
     if lines:
-        yield "".join(lines), lines_label
+        yield "".join(lines), (None if started else label or "(blank)")
 
 
 def _parts(src: Source, rx) -> Iterator[tuple[str, str | None]]:
@@ -474,7 +478,7 @@ def key(cfg: DataConfig, role: Role, model_fp: str, store: ArtifactStore) -> Dat
                    src.description, recipe)
 
 
-ORDER = "stratified-1"  # the evaluation's look order (module docstring); part of the eval data key
+ORDER = "quota-1"  # the evaluation's look order (module docstring); part of the eval data key
 
 
 def _recipe(cfg: DataConfig, role: Role) -> dict:
@@ -538,20 +542,26 @@ def window_documents(token_docs: np.ndarray, n_windows: int, width: int) -> np.n
 
 
 def look_order(window_docs, seed: int) -> np.ndarray:
-    """Indices of the windows in the evaluation's look order: proportional to every document's size in every prefix
-    (each document's windows in a seeded random order, its j-th keyed (j + u_d) / n_d with a seeded u_d in [0, 1),
-    sorted by key, ties by a seeded document order). Deterministic in (document layout, seed)."""
+    """Indices of the windows in the evaluation's look order, proportional to every document's size in every prefix:
+    window k goes to the document furthest below its quota k * n_d / N (ties: a seeded document order), each
+    document's windows taken in a seeded random order. Every prefix then holds each document's share of the windows
+    within one window (the quota property). Deterministic in (document layout, seed)."""
     d = np.asarray(window_docs, dtype=np.int64)
     rng = np.random.default_rng(seed)
     names, inverse, sizes = np.unique(d, return_inverse=True, return_counts=True)
-    offsets = rng.random(names.size)
-    rank = rng.permutation(names.size)
-    key = np.empty(d.size)
-    for g in range(names.size):
-        members = np.flatnonzero(inverse == g)
-        members = members[rng.permutation(members.size)]
-        key[members] = (np.arange(members.size) + offsets[g]) / sizes[g]
-    return np.lexsort((rank[inverse], key))
+    rank = rng.permutation(names.size).astype(np.float64)
+    queues = [np.flatnonzero(inverse == g) for g in range(names.size)]
+    queues = [q[rng.permutation(q.size)] for q in queues]
+    taken = np.zeros(names.size, dtype=np.int64)
+    share = sizes / d.size
+    out = np.empty(d.size, dtype=np.int64)
+    for k in range(d.size):
+        deficit = np.where(taken < sizes, (k + 1) * share - taken, -np.inf)
+        best = np.flatnonzero(deficit >= deficit.max() - 1e-12)
+        g = best[np.argmin(rank[best])]
+        out[k] = queues[g][taken[g]]
+        taken[g] += 1
+    return out
 
 
 def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, vocab: int | None = None) -> dict:

@@ -368,6 +368,9 @@ def result_of(name: str, w: Windows, gen: dict | None) -> EvalResult:
     windows = {"n_pred": int(w.t), "nll_reference": w.per_window("nll_ref").tolist(),
                "nll_candidate": w.per_window("nll_cand").tolist(), "dnll": w.per_window("dnll").tolist(),
                "top1_agreement": w.per_window("agree").tolist(), "kl_mean": w.per_window("kl").tolist()}
+    if w.docs is not None:  # the windows' documents (the gate's clusters) and their indices in the text
+        windows["document"] = [int(x) for x in w.docs]
+        windows["position"] = [int(x) for x in w.positions] if w.positions is not None else None
     positions = {"top1_agreement": (w.a["argmax_cand"] == w.a["argmax_ref"]).mean(0).tolist(),
                  "kl_mean": w.a["kl"].mean(0).tolist(), "dp_true": w.a["dp_true"].mean(0).tolist()}
     return EvalResult(name, metrics.summarize(w, gen), windows, positions, metrics.behaviour(w), metrics.buckets(w),
