@@ -145,8 +145,8 @@ def metric_values(rng, ids, sims: int, row: Row, key: str, mean_loss: float, sd:
     sign = -1.0 if key == "agree" else 1.0
     z = correlated(rng, ids, sims, row.icc, sign * row.skew)
     factor = np.where(bad, row.bad_factor, 1.0)
-    bulk = mean_loss / (1 - row.bad_share + row.bad_share * row.bad_factor)
-    loss = (bulk + sign * sd * bulk / max(mean_loss, 1e-12) * z) * factor
+    dilution = 1 - row.bad_share + row.bad_share * row.bad_factor  # mean loss / the bulk's
+    loss = (mean_loss / dilution + sign * sd / dilution * z) * factor
     values = 1 - loss if key == "agree" else loss  # not clipped: a location-scale family (docs/statistics.md)
     if key == "agree":
         values = np.round(values * 512) / 512
@@ -177,7 +177,7 @@ def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL) -> dict:
         for name, (key, threshold, hib) in CHECKS.items():
             _, lo, hi, _ = stats.interval(values[key][:, :n], c, clusters)
             passed, failed = (lo >= threshold, hi < threshold) if hib else (hi <= threshold, lo > threshold)
-            verdicts[name] = np.where(passed, 1, np.where(failed, -1, 0))
+            verdicts[name] = np.where(passed & design.passable(k), 1, np.where(failed & ~passed, -1, 0))
         count = (values.get("tail", values["kl"])[:, :n] > tail[2]).sum(1)
         level = stats._phi(-design.z_boundary(k))
         lower = np.where(count > 0, st.beta.ppf(level, np.maximum(count, 1), n - count + 1), 0.0)
@@ -265,7 +265,19 @@ def mde_at_cap(rng, row: Row, ids, design, target: str, sims: int = 2000) -> flo
     k = len(design.looks) - 1
     c = design.t_boundary(k, design.cap, df)
     mean, lo, hi, se = stats.interval(values, c, clusters)
-    return float(np.mean(stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df))))
+    mde = stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df)) / stats._c4(df or design.cap - 1) \
+        * stats.MDE_SAFETY
+    return float(np.mean(mde))
+
+
+def gate_design(cap: int, alpha: float, beta: float):
+    """The default gate's design at this cap: looks of 8, Pocock, first passing look where the tail check can pass
+    (quantlab.gate.checks.with_tails)."""
+    from quantlab.gate import checks, stats
+    from quantlab.gate.config import Threshold
+
+    design = stats.make_design(cap, 8, alpha, beta, True, "pocock")
+    return checks.with_tails(design, {TAIL[0]: Threshold(max=TAIL[1], above=TAIL[2])})
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:
@@ -280,7 +292,7 @@ def run_row(rng, row: Row, layouts, sims: int, verify: int, alpha: float, beta: 
     from quantlab.gate import stats
 
     ids = layout(row.layout, layouts)
-    design = stats.make_design(ids.size, 8, alpha, beta, True, "pocock")
+    design = gate_design(ids.size, alpha, beta)
     out = []
     cases = [(name, "type_I") for name in CHECKS] + [(name, "power") for name in CHECKS] + \
         [(TAIL[0], "type_I"), (TAIL[0], "power")]
@@ -313,12 +325,10 @@ def run_row(rng, row: Row, layouts, sims: int, verify: int, alpha: float, beta: 
 def rare_bad_rows(rng, layouts, sims: int, alpha: float, beta: float, verify: int = 0) -> list[dict]:
     """Candidates fine on average (every mean at half its distance to the threshold... KL bulk at `level` x the
     kl_mean threshold) with a share of windows `factor` times worse: the share of gates that FAIL."""
-    from quantlab.gate import stats
-
     out = []
     for lay in ("pydoc", "wikitext2"):
         ids = layout(lay, layouts)
-        design = stats.make_design(ids.size, 8, alpha, beta, True, "pocock")
+        design = gate_design(ids.size, alpha, beta)
         for share, factor, by_doc, level in ((0.05, 5, False, 0.5), (0.05, 5, True, 0.5), (0.03, 5, False, 0.5),
                                              (0.02, 5, False, 0.5), (0.05, 5, False, 0.3), (0.05, 20, False, 0.1),
                                              (0.02, 20, False, 0.1)):

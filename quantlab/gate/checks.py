@@ -14,6 +14,7 @@ names the windows beyond B. A baseline (metrics.json of an earlier release) adds
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -208,6 +209,17 @@ def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: st
                             "with none beyond it",
                             fix=f"raise eval.max_windows to {need} or more (with that much eval text), raise "
                                 f"gate.thresholds.{name}.max, or drop the {name} threshold")
+
+
+def with_tails(design: stats.Design, thresholds: dict[str, Threshold]) -> stats.Design:
+    """The design with first_pass at the first look where every tail check can pass: before it the gate cannot
+    pass, so the mean checks spend their alpha over the looks from there on (they can still fail earlier)."""
+    first = 0
+    for name, th in thresholds.items():
+        if metrics.METRICS[name].tail_of is not None and th.max is not None:
+            bounds = stats.tail_boundaries(design.looks, th.max, design.alpha, design.kind, design.gamma)
+            first = max(first, next((k for k, c in enumerate(bounds) if c >= 0), len(design.looks) - 1))
+    return dataclasses.replace(design, first_pass=first)
 
 
 def design_for(cfg: GateConfig, windows_available: int, cap: int | None) -> stats.Design:
@@ -452,6 +464,7 @@ def verdict(cfg: GateConfig, thresholds: dict[str, Threshold], checks: list[Chec
                                 "gamma": design.gamma if design.kind == "hsd" else None, "looks": list(design.looks),
                                 "stopped_at_look": look + 1, "windows_used": design.looks[look],
                                 "cap": design.cap, "sequential": len(design.looks) > 1,
+                                "first_passing_look": design.first_pass + 1,
                                 "boundaries_z": [design.z_boundary(k) for k in range(len(design.looks))]}}
     all_checks = list(checks)
     if cfg.baseline:

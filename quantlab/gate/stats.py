@@ -76,6 +76,9 @@ def percentile(values, q: float) -> float:
     return float(np.quantile(v, q)) if v.size else float("nan")
 
 
+WORKING_ICC = 0.5  # the intra-document correlation the degrees of freedom assume (bench/gate_calibration.py)
+
+
 class Clusters:
     """The documents of the first n windows (their ids in window order), with what the cluster-robust interval
     needs: sizes, CR2 weights 1 / (1 - n_g / N) and the Bell-McCaffrey degrees of freedom. None of it depends on the
@@ -93,13 +96,19 @@ class Clusters:
 
     @property
     def df(self) -> float:
-        """Satterthwaite degrees of freedom of the CR2 variance of a mean under a working model of independent
-        windows: N^2 / (sum n_g^2 + (sum a_g)^2 - sum a_g^2) with a_g = n_g^2 / (N - n_g); n - 1 for singletons,
-        G - 1 for equal sizes, fewer for unequal ones."""
+        """Satterthwaite degrees of freedom of the CR2 variance of a mean (Bell and McCaffrey) under a working model
+        of exchangeable windows within a document, correlation WORKING_ICC: (tr B)^2 / ||B||_F^2 with
+        B = U' Omega U, U's columns sqrt(w_g) (I - H) 1_g / N. n - 1 for singletons (any working ICC); fewer
+        for few or unequal documents, and fewer the more a document's windows are assumed alike."""
         if self.g < 2:
             return 0.0
-        a = self.sizes.astype(np.float64) ** 2 / (self.n - self.sizes)
-        return float(self.n ** 2 / ((self.sizes.astype(np.float64) ** 2).sum() + a.sum() ** 2 - (a * a).sum()))
+        n_g = self.sizes.astype(np.float64)
+        a = 1 - WORKING_ICC + WORKING_ICC * n_g  # Omega 1_g = a_g 1_g
+        total = float((a * n_g).sum())
+        outer = np.outer(n_g, n_g) / self.n
+        b = np.diag(a * n_g) - outer * (a[:, None] + a[None, :]) + outer * total / self.n
+        b *= np.sqrt(np.outer(self.weights, self.weights))
+        return float(np.trace(b) ** 2 / (b * b).sum())
 
     def totals(self, d):
         """Per-document sums of d along its last axis ([..., n] -> [..., G])."""
@@ -245,6 +254,12 @@ class Design:
     beta: float
     kind: str = "pocock"
     gamma: float = -2.0
+    first_pass: int = 0  # the first look at which the gate can pass (a tail check needs many windows): alpha is spent
+    # over the looks from there on; before it a check can fail but not pass
+
+    def passable(self, look: int) -> bool:
+        """Whether a check may pass at this look."""
+        return look >= self.first_pass
 
     @property
     def cap(self) -> int:
@@ -252,9 +267,13 @@ class Design:
         return self.looks[-1]
 
     def z_boundary(self, look: int) -> float:
-        """The one-sided z boundary of a look (alpha spending over the looks' information fractions)."""
-        fractions = tuple(n / self.cap for n in self.looks)
-        return boundaries(fractions, self.alpha, self.kind, self.gamma)[look]
+        """The one-sided z boundary of a look: alpha spending over the information fractions of the looks at which a
+        check can pass (from first_pass on); an earlier look (fail only) has the boundary of spending over every
+        look."""
+        if look < self.first_pass or self.first_pass == 0:
+            return boundaries(tuple(n / self.cap for n in self.looks), self.alpha, self.kind, self.gamma)[look]
+        passing = tuple(n / self.cap for n in self.looks[self.first_pass:])
+        return boundaries(passing, self.alpha, self.kind, self.gamma)[look - self.first_pass]
 
     def t_boundary(self, look: int, n: int, df: float | None = None) -> float:
         """The z boundary as a t quantile with df degrees of freedom (default n - 1; same tail probability)."""
@@ -375,15 +394,18 @@ def interval(values, c: float, clusters: Clusters | None = None):
 
 
 SKEW_INFLATION = 4.0  # the sample skewness is inflated by 1 + SKEW_INFLATION / sqrt(units) (bench/gate_calibration.py)
+DOC_SKEW_INFLATION = 0.0  # the same for the skewness of the documents' totals (none: with the windows' inflated
+# skewness beside it, more made pydoc's 10 documents needlessly conservative; bench/gate_calibration.py)
+MDE_SAFETY = 1.1  # the reported MDE is widened by this: the skew correction's own spread (chosen by simulation)
 
 
-def _mean_skewness(x, units: int):
+def _mean_skewness(x, units: int, inflation: float = SKEW_INFLATION):
     """Skewness of a mean estimated from per-unit residual sums x [..., units] (adjusted Fisher-Pearson, inflated for
     its small-sample bias toward zero): gamma / sqrt(units) in Hall's notation."""
     s2 = (x * x).sum(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         k = np.where(s2 > 0, (x ** 3).sum(-1) / s2 ** 1.5, 0.0)
-    return k * math.sqrt(units * (units - 1)) / (units - 2) * (1 + SKEW_INFLATION / math.sqrt(units))
+    return k * math.sqrt(units * (units - 1)) / (units - 2) * (1 + inflation / math.sqrt(units))
 
 
 def _cluster_interval(values, c: float, clusters: Clusters):
@@ -404,8 +426,8 @@ def _cluster_interval(values, c: float, clusters: Clusters):
     se = np.sqrt(s2) / n
     # skewness of the mean: from the documents' totals and from the windows (as if independent), the larger in
     # size on each side: few documents estimate it poorly, and windows miss a skewed document effect
-    k_docs = _mean_skewness(a, g) if g >= 3 else np.zeros(np.shape(mean))
-    k_windows = _mean_skewness(d, n) if n >= 3 else np.zeros(np.shape(mean))
+    k_docs = _mean_skewness(a, g, DOC_SKEW_INFLATION) if g >= 3 else np.zeros(np.shape(mean))
+    k_windows = _mean_skewness(d, n, SKEW_INFLATION) if n >= 3 else np.zeros(np.shape(mean))
     up, down = np.maximum(np.maximum(k_docs, k_windows), 0.0), np.minimum(np.minimum(k_docs, k_windows), 0.0)
     hi = mean - se * _skew_inverse(-c, up, 1)
     lo = mean - se * _skew_inverse(c, down, 1)
@@ -440,18 +462,26 @@ def decide(window_values, threshold: float, higher_is_better: bool, design: Desi
         return Decision(float("nan"), -math.inf, math.inf, math.inf, 0, c, "undecided", math.inf)
     mean, lo, hi, se = interval(v, c, clusters) if math.isfinite(c) else \
         (float(v.mean()), -math.inf, math.inf, math.inf)
-    if higher_is_better:
-        verdict = "pass" if lo >= threshold else "fail" if hi < threshold else "undecided"
-    else:
-        verdict = "pass" if hi <= threshold else "fail" if lo > threshold else "undecided"
+    passed, failed = (lo >= threshold, hi < threshold) if higher_is_better else (hi <= threshold, lo > threshold)
+    verdict = "pass" if passed and design.passable(look) else "fail" if failed and not passed else "undecided"
     return Decision(mean, lo, hi, se, n, c, verdict,
-                    mde(mean, lo, hi, se, higher_is_better, c, design.t_beta(n, c, df)))
+                    mde(mean, lo, hi, se, higher_is_better, c, design.t_beta(n, c, df)) / _c4(df or n - 1)
+                    * MDE_SAFETY)
+
+
+@lru_cache(maxsize=1024)
+def _c4(df: float) -> float:
+    """E[s] / sigma for a variance estimate with df degrees of freedom: the reported MDE divides by it (an MDE from
+    the observed standard error would otherwise be too small on average when df is small)."""
+    if df <= 0:
+        return 1.0
+    return math.exp(0.5 * math.log(2 / df) + math.lgamma((df + 1) / 2) - math.lgamma(df / 2))
 
 
 def mde(mean, lo, hi, se, higher_is_better: bool, c: float, t_beta: float):
     """Minimum detectable distance from the threshold with power 1 - beta at this n: the tested side's half-width
-    (skew-widened, so not always c * se) plus t_beta standard errors widened in the same proportion. Works on
-    arrays (the calibration bench)."""
+    (skew-widened, so not always c * se) plus t_beta standard errors widened in the same proportion (decide divides
+    it by c4(df), E[s] / sigma, and widens it by MDE_SAFETY). Works on arrays (the calibration bench)."""
     half = (mean - lo) if higher_is_better else (hi - mean)
     return half * (1 + t_beta / c) if c > 0 else half + t_beta * se
 

@@ -500,6 +500,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         evalset = r.value("data:eval")
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len) if is_main else None
         design = gate_checks.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
+        if is_main:
+            design = gate_checks.with_tails(design, thresholds)
         warnings = []
         if is_main:  # exit 2 before any evaluation: one document, or a tail check this text cannot pass
             gate_checks.check_tails(thresholds, design, f"the evaluation text gives {evalset.num_windows}")
