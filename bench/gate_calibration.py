@@ -122,20 +122,15 @@ class Row:
 
 
 def bad_mask(rng, ids: np.ndarray, sims: int, row: Row) -> np.ndarray:
-    """[sims, n] bool: the rare bad windows (a share p scattered, or whole documents until p of the windows)."""
+    """[sims, n] bool: the rare bad windows: each window bad with probability p (scattered), or each document bad
+    with probability p, all its windows with it (whole documents); either way the expected share of bad windows is
+    p, and a text of few documents often holds no bad document at all."""
     if row.bad_share <= 0:
         return np.zeros((sims, ids.size), dtype=bool)
     if not row.bad_by_document:
         return rng.random((sims, ids.size)) < row.bad_share
-    g = int(ids.max()) + 1
-    sizes = np.bincount(ids, minlength=g)
-    out = np.zeros((sims, ids.size), dtype=bool)
-    for s in range(sims):  # documents in random order until their windows reach the share (in expectation)
-        order = rng.permutation(g)
-        cum = np.cumsum(sizes[order]) / ids.size
-        take = order[: int(np.searchsorted(cum, row.bad_share * (1 + rng.random() - 0.5)))]
-        out[s] = np.isin(ids, take)
-    return out
+    bad_docs = rng.random((sims, int(ids.max()) + 1)) < row.bad_share
+    return bad_docs[:, ids]
 
 
 def metric_values(rng, ids, sims: int, row: Row, key: str, mean_loss: float, sd: float, bad) -> np.ndarray:
@@ -234,8 +229,9 @@ def gate_real(values: dict, ids: np.ndarray, design, sims: int, tail=TAIL) -> di
 def simulate(rng, row: Row, ids, sims: int, target: str | None, shift: float = 0.0, tail_share=None):
     """Per-window values of every check for one row: `target` at its threshold (+ shift toward the good side), the
     others healthy; tail_share: a scattered share of windows put beyond the tail bound (the tail check's own rows).
-    When a mean check is the target, the tail check reads an independent healthy KL draw ("tail"): the windows of a
-    KL mean sitting on its threshold would cross the tail bound, and that check is calibrated in its own rows."""
+    When a mean check is the target of a row without bad windows, the tail check reads an independent healthy KL
+    draw ("tail"): the windows of a KL mean sitting on its threshold would cross the tail bound, and that check is
+    calibrated in its own rows. With bad windows the tail check reads the KL windows themselves (the gate as run)."""
     bad = bad_mask(rng, ids, sims, row)
     values = {}
     for name, (key, threshold, _) in CHECKS.items():
@@ -246,7 +242,7 @@ def simulate(rng, row: Row, ids, sims: int, target: str | None, shift: float = 0
             loss_level = loss_threshold - shift
             sd = CV_AT_THRESHOLD[key] * loss_threshold
         values[key] = metric_values(rng, ids, sims, row, key, loss_level, sd, bad)
-    if target is not None:
+    if target is not None and row.bad_share == 0:  # clean rows: the tail check reads a healthy KL of its own
         values["tail"] = metric_values(rng, ids, sims, row, "kl", HEALTHY["kl"][0], HEALTHY["kl"][1], bad)
     if tail_share is not None:  # the tail check's rows: KL windows beyond the bound at exactly this share
         beyond = rng.random((sims, ids.size)) < tail_share
