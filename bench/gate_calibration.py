@@ -142,14 +142,14 @@ def metric_values(rng, ids, sims: int, row: Row, key: str, mean_loss: float, sd:
     factor = np.where(bad, row.bad_factor, 1.0)
     dilution = 1 - row.bad_share + row.bad_share * row.bad_factor  # mean loss / the bulk's
     loss = (mean_loss / dilution + sign * sd / dilution * z) * factor
-    values = 1 - loss if key == "agree" else loss  # not clipped: a location-scale family (docs/statistics.md)
-    if key == "agree":
-        values = np.round(values * 512) / 512
+    values = 1 - loss if key == "agree" else loss  # KL and dNLL not clipped: a location-scale family
+    if key == "agree":  # a share of 512 positions
+        values = np.clip(np.round(values * 512) / 512, 0.0, 1.0)
     return values.astype(np.float32).astype(np.float64)
 
 
 # ------------------------------------------------------------------------------------------------ the gate
-def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL) -> dict:
+def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL, checks_=None) -> dict:
     """The gate's decisions on [sims, n] per-window values of every check: for each check its final verdict
     (1 pass, -1 fail, 0 undecided left open because another check failed) and the windows the gate used. The rule
     of quantlab.gate.checks: every check re-decided at every look with stats.interval (documents as clusters) at the
@@ -159,9 +159,10 @@ def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL) -> dict:
 
     from quantlab.gate import stats
 
+    checks_ = checks_ or CHECKS
     sims = next(iter(values.values())).shape[0]
     open_ = np.ones(sims, dtype=bool)
-    final = {name: np.zeros(sims, dtype=np.int8) for name in [*CHECKS, tail[0]]}
+    final = {name: np.zeros(sims, dtype=np.int8) for name in [*checks_, tail[0]]}
     used = np.full(sims, design.cap)
     bounds = stats.tail_boundaries(design.looks, tail[1], design.alpha, design.kind, design.gamma)
     for k, n in enumerate(design.looks):
@@ -169,7 +170,7 @@ def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL) -> dict:
         df = None if clusters.singletons else clusters.df
         c = design.t_boundary(k, n, df)
         verdicts = {}
-        for name, (key, threshold, hib) in CHECKS.items():
+        for name, (key, threshold, hib) in checks_.items():
             _, lo, hi, _ = stats.interval(values[key][:, :n], c, clusters)
             passed, failed = (lo >= threshold, hi < threshold) if hib else (hi <= threshold, lo > threshold)
             verdicts[name] = np.where(passed & design.passable(k), 1, np.where(failed & ~passed, -1, 0))
@@ -353,6 +354,43 @@ def rare_bad_rows(rng, layouts, sims: int, alpha: float, beta: float, verify: in
     return out
 
 
+# candidates shaped like real runs (per-window mean and sd; fp8: the default pydoc run's first 8 windows; the others:
+# their WikiText-2 means (bench/RESULTS.md) with a window coefficient of variation of 0.3), and their thresholds
+PREDICT = {
+    "fp8": ({"dnll": (0.0288, 0.0063), "agree": (0.903, 0.013), "kl": (0.0307, 0.0016)}, CHECKS, TAIL),
+    "fp8 kv=fp8": ({"dnll": (0.039, 0.009), "agree": (0.873, 0.018), "kl": (0.045, 0.004)}, CHECKS, TAIL),
+    "int8_sq (WikiText-2, pydoc calibration)": ({"dnll": (0.300, 0.09), "agree": (0.699, 0.05), "kl": (0.30, 0.09)},
+                                                CHECKS, TAIL),
+    "int4_awq": ({"dnll": (0.247, 0.074), "agree": (0.715, 0.03), "kl": (0.22, 0.066)},
+                 {"ppl_ratio": ("dnll", math.log(1.35), False), "top1_agreement": ("agree", 0.70, True),
+                  "kl_mean": ("kl", 0.50, False)}, ("kl_tail", 0.05, 1.0)),
+}
+
+
+def predicted_runs(rng, layouts, sims: int, alpha: float, beta: float) -> list[dict]:
+    """Verdict and windows used of the default runs, predicted by simulating the gate on candidates shaped like the
+    real runs (PREDICT) on the real document layouts, intra-document correlation 0.3, skewness 1."""
+    from quantlab.gate import checks, stats
+    from quantlab.gate.config import Threshold
+
+    out = []
+    for lay in ("pydoc", "wikitext2"):
+        ids = layout(lay, layouts)
+        for name, (shape, checks_, tail) in PREDICT.items():
+            design = checks.with_tails(stats.make_design(ids.size, 8, alpha, beta, True, "pocock"),
+                                       {tail[0]: Threshold(max=tail[1], above=tail[2])})
+            row = Row(lay, 0.3, 1.0)
+            values = {key: metric_values(rng, ids, sims, row, key, 1 - m if key == "agree" else m, sd,
+                                         np.zeros((sims, ids.size), dtype=bool)) for key, (m, sd) in shape.items()}
+            res = gate_vectorized(values, ids, design, tail, checks_)
+            undecided = np.any([v == 0 for v in res["final"].values()], axis=0) & ~np.any(
+                [v == -1 for v in res["final"].values()], axis=0)
+            out.append({"layout": lay, "run": name, "pass": float(res["gate_pass"].mean()),
+                        "undecided_at_cap": float(undecided.mean()),
+                        "windows_median": float(np.median(res["used"])), "windows_mean": float(res["used"].mean())})
+    return out
+
+
 def real_shape(paths: list[str], layouts) -> list[dict]:
     """Skewness and intra-document correlation of real runs' per-window values (metrics.json windows; documents from
     the file, or the pydoc layout when the file predates them)."""
@@ -378,14 +416,35 @@ def real_shape(paths: list[str], layouts) -> list[dict]:
     return rows
 
 
+def table_rows(kind: str, layouts: list[str]) -> list[Row]:
+    """The rows of the type-I / power table: every layout x ICC x skewness, and rare bad windows."""
+    if kind == "rare":
+        return []
+    if kind == "quick":
+        return [Row("pydoc", 0.3, 2.5, label="pydoc icc 0.3 skew 2.5"), Row("wikitext2", 0.1, 1.0, label="wiki")]
+    rows = []
+    for lay in layouts:
+        for icc in ((0.0,) if lay == "independent" else (0.0, 0.1, 0.3, 0.5)):
+            for skew in (1.0, 2.5):
+                rows.append(Row(lay, icc, skew, label=f"{lay} icc {icc} skew {skew}"))
+        for share in (0.02, 0.05):
+            for by_doc in ((False,) if lay == "independent" else (False, True)):
+                rows.append(Row(lay, 0.1, 1.0, share, 5.0, by_doc,
+                                label=f"{lay} icc 0.1 skew 1, {share:.0%} of windows 5x worse"
+                                      f"{' (whole documents)' if by_doc else ''}"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sims", type=int, default=4000)
-    ap.add_argument("--rows", default="all", help="all | quick (two rows)")
+    ap.add_argument("--rows", default="all", help="all | quick (two rows) | rare (the rare-bad candidates and the "
+                                                  "predicted default runs) | table (the check rows only)")
     ap.add_argument("--verify", type=int, default=0, help="real-gate check of the first N gates of every row")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--beta", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layouts", default="pydoc,wikitext2,independent", help="the layouts whose rows to run")
     ap.add_argument("--runs", nargs="*", default=[], help="metrics.json files of real runs (skewness, ICC)")
     ap.add_argument("--out", help="write every row as JSON here")
     args = ap.parse_args()
@@ -397,37 +456,36 @@ def main() -> None:
         print(f"real {r['run']:22s} {r['metric']:15s} n {r['windows']} docs {r['documents']} skew "
               f"{r['skewness']:+.2f} icc {r['icc'] if r['icc'] is None else round(r['icc'], 3)} "
               f"deff {r['design_effect']:.2f} mean {r['mean']:.4g} sd {r['sd']:.3g} max {r['max']:.4g}", flush=True)
-    rows = []
-    if args.rows == "quick":
-        rows = [Row("pydoc", 0.3, 2.5, label="pydoc icc 0.3 skew 2.5"), Row("wikitext2", 0.1, 1.0, label="wiki")]
-    else:
-        for lay in ("pydoc", "wikitext2", "independent"):
-            for icc in ((0.0,) if lay == "independent" else (0.0, 0.1, 0.3, 0.5)):
-                for skew in (1.0, 2.5):
-                    rows.append(Row(lay, icc, skew, label=f"{lay} icc {icc} skew {skew}"))
-            for share in (0.02, 0.05):
-                for by_doc in ((False,) if lay == "independent" else (False, True)):
-                    rows.append(Row(lay, 0.1, 1.0, share, 5.0, by_doc,
-                                    label=f"{lay} icc 0.1 skew 1, {share:.0%} of windows 5x worse"
-                                          f"{' (whole documents)' if by_doc else ''}"))
+    rows = table_rows(args.rows, args.layouts.split(","))
     result["rows"] = []
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
     for row in rows:
         for entry in run_row(rng, row, layouts, args.sims, args.verify, args.alpha, args.beta):
             result["rows"].append(entry)
             print(f"{entry['row']:58s} {entry['check']:15s} {entry['what']:6s} pass {entry['pass_rate']:.4f} "
                   f"[{entry['ci95'][0]:.4f}, {entry['ci95'][1]:.4f}] MDE {entry['mde']:.4g} windows "
                   f"{entry['mean_windows']:.1f}" + (" verified" if entry.get("verified") else ""), flush=True)
+        save()
+    if args.rows in ("all", "rare"):
+        result["predicted_runs"] = predicted_runs(rng, layouts, args.sims, args.alpha, args.beta)
+    for r in result.get("predicted_runs", []):
+        print(f"predicted {r['layout']:9s} {r['run']:40s} PASS {r['pass']:.3f} undecided at cap "
+              f"{r['undecided_at_cap']:.3f} windows median {r['windows_median']:.0f} mean {r['windows_mean']:.1f}",
+              flush=True)
     result["rare_bad"] = rare_bad_rows(rng, layouts, args.sims, args.alpha, args.beta, args.verify) \
-        if args.rows == "all" else []
+        if args.rows in ("all", "rare") else []
     for r in result["rare_bad"]:
         print(f"rare bad {r['layout']:9s} {r['bad_share']:.0%} x{r['bad_factor']} "
               f"{'documents' if r['bad_by_document'] else 'scattered'} KL bulk {r['kl_bulk_over_threshold']}T: "
               f"gate FAIL {r['gate_fail_rate']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] windows "
               f"{r['mean_windows']:.1f}", flush=True)
     print(f"{len(result['rows'])} rows x {args.sims} simulated gates, {time.time() - start:.0f} s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    save()
 
 
 if __name__ == "__main__":
