@@ -1,169 +1,491 @@
-"""Calibration of the gate's checks by simulation: type-I error and power of the sequential design.
+"""Calibration of the gate by simulation on data shaped like real runs: type-I error and power of every check.
 
-For every check kind the gate has (a mean over windows of per-position values: dNLL for ppl_ratio, top-1
-agreement, KL; a percentile tested as an exceedance share), S simulated paired datasets are drawn with
-- tokens inside a window correlated (AR(1), rho 0.6: the within-window dependence a window-clustered interval
-  must respect) and windows independent,
-- the true value exactly on the threshold (type-I error: the share of PASS must be alpha), or better than the
-  threshold by the design's minimum detectable effect at the cap (power: the share of PASS must be >= 1 - beta).
-The decisions are made exactly as quantlab.gate.checks makes them (quantlab.gate.stats.decide at each look, stop when
-decided, undecided at the cap = FAIL). A naive interval that treats tokens as independent is run beside it to show
-what ignoring the dependence costs. With --pool METRICS_JSON the window values are resampled from a real run
-instead (per-window dNLL / agreement / KL, shifted onto the threshold).
+Each simulated gate is a paired evaluation of S windows laid out as a real evaluation text lays them out (the
+documents of the windows in the look order quantlab.stages.data stores: the default pydoc text, 61 windows of 512
+tokens from 10 topics; WikiText-2 test, the first 64 of 592 windows from 61 articles; or independent windows), with
+per-window values of the four default checks drawn jointly per document:
 
-    python bench/gate_calibration.py --sims 10000 [--looks 8 --cap 64 --alpha 0.05 --beta 0.2] [--pool metrics.json]
+    value = level + sd * (sqrt(icc) * U_document + sqrt(1 - icc) * E_window)
+
+U and E standardized gamma variables whose skewness makes the window values' skewness the row's (positive for KL and
+dNLL, negative for top-1 agreement), and optionally rare bad windows (a share p of windows, scattered or whole
+documents, whose loss - KL, dNLL, 1 - agreement - is m times the bulk's). For the type-I rows the checked metric's
+true mean (bad windows included) sits exactly on its threshold; for power it is better than the threshold by the
+MDE the gate reports at the cap. The other checks sit at healthy levels. The gate then runs as `python -m quantlab`
+runs it: at every look each check is decided by quantlab.gate.stats (interval with the documents as clusters,
+decide's rule; the tail check's exact binomial boundaries), evaluation stops once the gate's verdict is known
+(quantlab.gate.checks.settled: every check decided or one failed) and an undecided check at the cap fails. The
+decision loop is vectorized over simulated gates with the gate's own functions (stats.interval, stats.Clusters,
+stats.tail_boundaries); --verify runs quantlab.gate.checks.evaluate_checks / settled / finish on real Windows
+objects for the first simulated gates of every row and asserts the same verdicts, window for window.
+
+    python bench/gate_calibration.py --sims 4000 [--rows all|quick] [--verify 200] [--runs metrics.json ...]
+        [--out bench/results/DIR/gate_calibration.json]
+
+--runs measures the skewness and intra-document correlation of real runs' per-window values (metrics.json windows
+with their documents) and adds them as rows.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-01" / "layouts.json"
 
-def windows_ar1(rng, sims: int, n: int, t: int, mean: float, sd_token: float, rho: float, dist: str) -> np.ndarray:
-    """Per-window means [sims, n] of AR(1) token series (marginal sd sd_token) around `mean`; dist shapes the
-    window effect (normal, or lognormal for a skewed, KL-like metric)."""
-    e = rng.standard_normal((sims, n, t))
-    x = np.empty_like(e)
-    x[..., 0] = e[..., 0]
-    for i in range(1, t):
-        x[..., i] = rho * x[..., i - 1] + math.sqrt(1 - rho * rho) * e[..., i]
-    tokens = x * sd_token
-    if dist == "lognormal":  # skewed per-window level, mean-preserving
-        level = rng.lognormal(0.0, 0.6, (sims, n, 1))
-        tokens = tokens + (level / math.exp(0.18) - 1.0) * abs(mean) * 0.5
-    return mean + tokens.mean(-1), mean + tokens.reshape(sims, -1)
+# the default gate (conf/gate/default.yaml, fp8 thresholds): name -> (metric key, threshold, higher is better)
+CHECKS = {"ppl_ratio": ("dnll", math.log(1.10), False), "top1_agreement": ("agree", 0.80, True),
+          "kl_mean": ("kl", 0.25, False)}
+TAIL = ("kl_tail", 0.05, 0.5)  # share, above
+# healthy levels and spreads per window (fp8-like on the default text: far inside every threshold)
+HEALTHY = {"dnll": (0.03, 0.02), "agree": (0.90, 0.03), "kl": (0.03, 0.012)}
+# the checked metric at its threshold: window sd as a fraction of the distance to the ideal (real runs: 0.3-0.6)
+CV_AT_THRESHOLD = {"dnll": 0.5, "agree": 0.5, "kl": 0.5}
 
 
-def windows_exceedance(rng, sims: int, n: int, t: int, rate: float, shape: float = 0.5) -> tuple[np.ndarray, None]:
-    """Per-window shares of positions above a KL threshold [sims, n]: per-window rates vary (Beta(shape, .),
-    mean `rate`: clustered exceedances; shape 0.5 is extreme clustering), positions Bernoulli within a window."""
-    r = rng.beta(shape, shape * (1 - rate) / rate, (sims, n))
-    return rng.binomial(t, r) / t, None
+# ------------------------------------------------------------------------------------------------ layouts
+def make_layouts(path: Path) -> dict:
+    """The documents of the windows of the default pydoc text and of WikiText-2 test in the stored look order (the
+    real code path: quantlab.stages.data with the default model's tokenizer)."""
+    from quantlab.artifacts import ArtifactStore
+    from quantlab.compose import compose
+    from quantlab.models import load_tokenizer
+    from quantlab.stages import data, prepare
+
+    wiki = REPO.parent.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+    if not wiki.is_file():
+        wiki = Path("/work/shared/data/wikitext-2-raw/wiki.test.raw")
+    out = {}
+    for name, over in (("pydoc", []), ("wikitext2", [f"eval.path={wiki}", "eval.doc_separator='^ = [^=].* = $'"])):
+        cfg, _ = compose(["+precision=fp8", *over])
+        ref = prepare.run(cfg.model, ArtifactStore(Path.home() / ".cache" / "quantlab"))
+        tok = load_tokenizer(ref)
+        docs = data.Documents("")
+        leading = tok("", add_special_tokens=True)["input_ids"]
+        _, n_full, _, _, token_docs = data.tokenize_windows(data.source(cfg.eval, data.EVAL), tok, cfg.eval.seq_len,
+                                                            None, leading, docs, data._separator(cfg.eval, "eval"))
+        window_docs = data.window_documents(token_docs, n_full, cfg.eval.seq_len)
+        order = data.look_order(window_docs, cfg.eval.seed)
+        out[name] = {"windows": int(n_full), "cap": int(min(n_full, cfg.eval.max_windows)),
+                     "docs_in_order": window_docs[order].tolist(), "labels": docs.labels}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
 
 
-def chunked(gen, sims: int, chunk: int = 2000):
-    """Draw in chunks (memory), concatenated."""
-    parts = [gen(min(chunk, sims - i)) for i in range(0, sims, chunk)]
-    first = np.concatenate([p[0] for p in parts])
-    second = None if parts[0][1] is None else np.concatenate([p[1] for p in parts])
-    return first, second
+def layout(name: str, layouts: dict) -> np.ndarray:
+    """Document ids of the windows up to the cap, in look order (independent: every window its own)."""
+    if name == "independent":
+        return np.arange(64)
+    lay = layouts[name]
+    return np.asarray(lay["docs_in_order"][: lay["cap"]])
 
 
-def run_design(values: np.ndarray, threshold: float, higher_is_better: bool, design) -> dict:
-    """Vectorized sequential decisions over simulated datasets: quantlab.gate.stats.interval at each look, the rule of
-    quantlab.gate.stats.decide (which the gate calls for every window-mean check, exceedance shares included)."""
+# ------------------------------------------------------------------------------------------------ values
+def std_skewed(rng, shape, skew: float) -> np.ndarray:
+    """Standardized variables with the given skewness (gamma; normal at 0; negative skew mirrored)."""
+    if abs(skew) < 1e-9:
+        return rng.standard_normal(shape)
+    k = 4 / skew ** 2
+    x = (rng.gamma(k, 1.0, shape) - k) / math.sqrt(k)
+    return x if skew > 0 else -x
+
+
+def correlated(rng, ids: np.ndarray, sims: int, icc: float, skew: float) -> np.ndarray:
+    """[sims, n] standardized window values with intra-document correlation icc and marginal skewness skew."""
+    g0 = skew / (icc ** 1.5 + (1 - icc) ** 1.5) if skew else 0.0
+    u = std_skewed(rng, (sims, int(ids.max()) + 1), g0)
+    e = std_skewed(rng, (sims, ids.size), g0)
+    return math.sqrt(icc) * u[:, ids] + math.sqrt(1 - icc) * e
+
+
+@dataclass
+class Row:
+    """One simulated setting."""
+
+    layout: str
+    icc: float
+    skew: float  # of the window values (sign per metric: KL and dNLL right, top-1 left)
+    bad_share: float = 0.0
+    bad_factor: float = 5.0
+    bad_by_document: bool = False
+    label: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def bad_mask(rng, ids: np.ndarray, sims: int, row: Row) -> np.ndarray:
+    """[sims, n] bool: the rare bad windows: each window bad with probability p (scattered), or each document bad
+    with probability p, all its windows with it (whole documents); either way the expected share of bad windows is
+    p, and a text of few documents often holds no bad document at all."""
+    if row.bad_share <= 0:
+        return np.zeros((sims, ids.size), dtype=bool)
+    if not row.bad_by_document:
+        return rng.random((sims, ids.size)) < row.bad_share
+    bad_docs = rng.random((sims, int(ids.max()) + 1)) < row.bad_share
+    return bad_docs[:, ids]
+
+
+def metric_values(rng, ids, sims: int, row: Row, key: str, mean_loss: float, sd: float, bad) -> np.ndarray:
+    """Per-window values of one metric whose mean loss (bad windows included) is mean_loss (loss: KL, dNLL,
+    1 - agreement; rounded to what the gate stores: float32, agreement in steps of 1/512). The sd is the bulk's
+    spread at mean_loss, scaled with the bulk (constant coefficient of variation)."""
+    sign = -1.0 if key == "agree" else 1.0
+    z = correlated(rng, ids, sims, row.icc, sign * row.skew)
+    factor = np.where(bad, row.bad_factor, 1.0)
+    dilution = 1 - row.bad_share + row.bad_share * row.bad_factor  # mean loss / the bulk's
+    loss = (mean_loss / dilution + sign * sd / dilution * z) * factor
+    values = 1 - loss if key == "agree" else loss  # KL and dNLL not clipped: a location-scale family
+    if key == "agree":  # a share of 512 positions
+        values = np.clip(np.round(values * 512) / 512, 0.0, 1.0)
+    return values.astype(np.float32).astype(np.float64)
+
+
+# ------------------------------------------------------------------------------------------------ the gate
+def gate_vectorized(values: dict, ids: np.ndarray, design, tail=TAIL, checks_=None) -> dict:
+    """The gate's decisions on [sims, n] per-window values of every check: for each check its final verdict
+    (1 pass, -1 fail, 0 undecided left open because another check failed) and the windows the gate used. The rule
+    of quantlab.gate.checks: every check re-decided at every look with stats.interval (documents as clusters) at the
+    look's boundary; the tail check with stats.tail_boundaries and the Clopper-Pearson lower bound; stop when every
+    check is decided or one failed; undecided at the cap fails."""
+    from scipy import stats as st
+
     from quantlab.gate import stats
 
-    sims = values.shape[0]
-    verdict = np.zeros(sims, dtype=np.int8)  # 0 undecided, 1 pass, -1 fail
-    stop = np.full(sims, design.cap)
+    checks_ = checks_ or CHECKS
+    sims = next(iter(values.values())).shape[0]
+    open_ = np.ones(sims, dtype=bool)
+    final = {name: np.zeros(sims, dtype=np.int8) for name in [*checks_, tail[0]]}
+    used = np.full(sims, design.cap)
+    bounds = stats.tail_boundaries(design.looks, tail[1], design.alpha, design.kind, design.gamma)
     for k, n in enumerate(design.looks):
-        _, lo, hi, _ = stats.interval(values[:, :n], design.t_boundary(k, n))
-        if higher_is_better:
-            passed, failed = lo >= threshold, hi < threshold
+        clusters = stats.Clusters(ids[:n])
+        df = None if clusters.singletons else clusters.df
+        c = design.t_boundary(k, n, df)
+        verdicts = {}
+        for name, (key, threshold, hib) in checks_.items():
+            _, lo, hi, _ = stats.interval(values[key][:, :n], c, clusters)
+            passed, failed = (lo >= threshold, hi < threshold) if hib else (hi <= threshold, lo > threshold)
+            verdicts[name] = np.where(passed & design.passable(k), 1, np.where(failed & ~passed, -1, 0))
+        count = (values.get("tail", values["kl"])[:, :n] > tail[2]).sum(1)
+        level = stats._phi(-design.z_boundary(k))
+        lower = np.where(count > 0, st.beta.ppf(level, np.maximum(count, 1), n - count + 1), 0.0)
+        verdicts[tail[0]] = np.where(count <= bounds[k], 1, np.where(lower > tail[1], -1, 0))
+        decided = np.all([v != 0 for v in verdicts.values()], axis=0)
+        any_fail = np.any([v == -1 for v in verdicts.values()], axis=0)
+        stop = open_ & (decided | any_fail | (k == len(design.looks) - 1))
+        for name, v in verdicts.items():
+            final[name][stop] = v[stop]
+        used[stop] = n
+        open_ &= ~stop
+    gate_pass = np.all([v == 1 for v in final.values()], axis=0)
+    return {"final": final, "used": used, "gate_pass": gate_pass}
+
+
+def gate_real(values: dict, ids: np.ndarray, design, sims: int, tail=TAIL) -> dict:
+    """The same decisions through quantlab.gate.checks on real Windows objects (one position per window carrying
+    the window's value; agreement as 512 positions), for the first `sims` simulated gates."""
+    from quantlab.gate import checks
+    from quantlab.gate.config import Threshold
+    from quantlab.gate.metrics import Windows
+
+    thresholds = {"top1_agreement": Threshold(min=CHECKS["top1_agreement"][1]),
+                  "ppl_ratio": Threshold(max=1.10), "kl_mean": Threshold(max=CHECKS["kl_mean"][1]),
+                  tail[0]: Threshold(max=tail[1], above=tail[2])}
+    out = {name: np.zeros(sims, dtype=np.int8) for name in [*CHECKS, tail[0]]}
+    used = np.zeros(sims, dtype=np.int64)
+    t = 512
+    for s in range(sims):
+        n_all = ids.size
+        agree = values["agree"][s]
+        hits = np.round(agree * t).astype(int)
+        argmax_ref = np.zeros((n_all, t), dtype=np.int32)
+        argmax_cand = np.where(np.arange(t)[None, :] < hits[:, None], 0, 1).astype(np.int32)
+        arrays = {"kl": np.repeat(values["kl"][s][:, None], t, 1).astype(np.float32),
+                  "nll_ref": np.zeros((n_all, t), dtype=np.float32),
+                  "nll_cand": np.repeat(values["dnll"][s][:, None], t, 1).astype(np.float32),
+                  "dp_true": np.zeros((n_all, t), dtype=np.float32), "dp_top": np.zeros((n_all, t), dtype=np.float32),
+                  "argmax_ref": argmax_ref, "argmax_cand": argmax_cand}
+        w_all = Windows(arrays, np.zeros((n_all, t), dtype=np.int32), ids)
+        found, look = [], 0
+        for look, n in enumerate(design.looks):
+            found = checks.evaluate_checks(thresholds, w_all.head(n), None, design, look)
+            if checks.settled(found):
+                break
+        found = checks.finish(found, at_cap=look == len(design.looks) - 1)
+        for c in found:
+            out[c.metric][s] = {"pass": 1, "fail": -1, "undecided": 0}[c.verdict]
+        used[s] = design.looks[look]
+    return {"final": out, "used": used}
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def simulate(rng, row: Row, ids, sims: int, target: str | None, shift: float = 0.0, tail_share=None):
+    """Per-window values of every check for one row: `target` at its threshold (+ shift toward the good side), the
+    others healthy; tail_share: a scattered share of windows put beyond the tail bound (the tail check's own rows).
+    When a mean check is the target of a row without bad windows, the tail check reads an independent healthy KL
+    draw ("tail"): the windows of a KL mean sitting on its threshold would cross the tail bound, and that check is
+    calibrated in its own rows. With bad windows the tail check reads the KL windows themselves (the gate as run)."""
+    bad = bad_mask(rng, ids, sims, row)
+    values = {}
+    for name, (key, threshold, _) in CHECKS.items():
+        level, sd = HEALTHY[key]
+        loss_level = 1 - level if key == "agree" else level
+        if name == target:
+            loss_threshold = 1 - threshold if key == "agree" else threshold
+            loss_level = loss_threshold - shift
+            sd = CV_AT_THRESHOLD[key] * loss_threshold
+        values[key] = metric_values(rng, ids, sims, row, key, loss_level, sd, bad)
+    if target is not None and row.bad_share == 0:  # clean rows: the tail check reads a healthy KL of its own
+        values["tail"] = metric_values(rng, ids, sims, row, "kl", HEALTHY["kl"][0], HEALTHY["kl"][1], bad)
+    if tail_share is not None:  # the tail check's rows: KL windows beyond the bound at exactly this share
+        beyond = rng.random((sims, ids.size)) < tail_share
+        values["kl"] = np.where(beyond, TAIL[2] * 1.5, np.minimum(values["kl"], TAIL[2] * 0.8))
+    return values
+
+
+def mde_at_cap(rng, row: Row, ids, design, target: str, sims: int = 2000) -> float:
+    """The MDE the gate reports for `target` at the cap on data at the threshold (mean over simulated gates)."""
+    from quantlab.gate import stats
+
+    key, threshold, hib = CHECKS[target]
+    values = simulate(rng, row, ids, sims, target)[key]
+    clusters = stats.Clusters(ids)
+    df = None if clusters.singletons else clusters.df
+    k = len(design.looks) - 1
+    c = design.t_boundary(k, design.cap, df)
+    mean, lo, hi, se = stats.interval(values, c, clusters)
+    mde = stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df)) / stats._c4(df or design.cap - 1) \
+        * stats.MDE_SAFETY
+    return float(np.mean(mde))
+
+
+def gate_design(cap: int, alpha: float, beta: float):
+    """The default gate's design at this cap: looks of 8, Pocock, first passing look where the tail check can pass
+    (quantlab.gate.checks.with_tails)."""
+    from quantlab.gate import checks, stats
+    from quantlab.gate.config import Threshold
+
+    design = stats.make_design(cap, 8, alpha, beta, True, "pocock")
+    return checks.with_tails(design, {TAIL[0]: Threshold(max=TAIL[1], above=TAIL[2])})
+
+
+def wilson(p: float, n: int) -> tuple[float, float]:
+    """95% Wilson interval of a share."""
+    from quantlab.gate.stats import wilson_interval
+
+    return wilson_interval(p * n, n)
+
+
+def run_row(rng, row: Row, layouts, sims: int, verify: int, alpha: float, beta: float) -> list[dict]:
+    """Type-I and power of every check for one row (and the gate's verdict), with 95% Wilson intervals."""
+    from quantlab.gate import stats
+
+    ids = layout(row.layout, layouts)
+    design = gate_design(ids.size, alpha, beta)
+    out = []
+    cases = [(name, "type_I") for name in CHECKS] + [(name, "power") for name in CHECKS] + \
+        [(TAIL[0], "type_I"), (TAIL[0], "power")]
+    for name, what in cases:
+        if name == TAIL[0]:
+            share = TAIL[1] if what == "type_I" else TAIL[1] - stats.decide_tail(
+                np.zeros(design.cap), TAIL[1], design, len(design.looks) - 1).mde
+            values, mde = simulate(rng, row, ids, sims, None, tail_share=share), TAIL[1] - share
         else:
-            passed, failed = hi <= threshold, lo > threshold
-        open_ = verdict == 0
-        verdict[open_ & passed] = 1
-        verdict[open_ & failed & ~passed] = -1
-        stop[open_ & (passed | failed)] = n
-    return {"pass": float((verdict == 1).mean()), "fail": float((verdict == -1).mean()),
-            "undecided_at_cap": float((verdict == 0).mean()), "mean_windows": float(stop.mean())}
+            mde = mde_at_cap(rng, row, ids, design, name) if what == "power" else 0.0
+            values = simulate(rng, row, ids, sims, name, shift=mde)
+        res = gate_vectorized(values, ids, design)
+        p = float((res["final"][name] == 1).mean())
+        lo, hi = wilson(p, sims)
+        entry = {"row": row.label, "layout": row.layout, "icc": row.icc, "skew": row.skew, "bad_share": row.bad_share,
+                 "bad_by_document": row.bad_by_document, "check": name, "what": what, "sims": sims,
+                 "pass_rate": p, "ci95": [lo, hi], "mde": mde, "mean_windows": float(res["used"].mean()),
+                 "gate_pass_rate": float(res["gate_pass"].mean())}
+        if verify and "tail" not in values:  # the real gate's tail reads the KL windows themselves
+            real = gate_real(values, ids, design, verify)
+            same = all(np.array_equal(real["final"][k], res["final"][k][:verify]) for k in real["final"]) and \
+                np.array_equal(real["used"], res["used"][:verify])
+            entry["verified"] = {"gates": verify, "identical": bool(same)}
+            if not same:
+                raise SystemExit(f"vectorized and real gate differ: {row.label} {name} {what}")
+        out.append(entry)
+    return out
 
 
-def naive_token_test(tokens: np.ndarray, threshold: float, alpha: float) -> float:
-    """PASS share of a fixed-n one-sided z-test that treats every token as independent (what not to do)."""
-    from scipy import stats
+def rare_bad_rows(rng, layouts, sims: int, alpha: float, beta: float, verify: int = 0) -> list[dict]:
+    """Candidates fine on average (every mean at half its distance to the threshold... KL bulk at `level` x the
+    kl_mean threshold) with a share of windows `factor` times worse: the share of gates that FAIL."""
+    out = []
+    for lay in ("pydoc", "wikitext2"):
+        ids = layout(lay, layouts)
+        design = gate_design(ids.size, alpha, beta)
+        for share, factor, by_doc, level in ((0.05, 5, False, 0.5), (0.05, 5, True, 0.5), (0.03, 5, False, 0.5),
+                                             (0.02, 5, False, 0.5), (0.05, 5, False, 0.3), (0.05, 20, False, 0.1),
+                                             (0.02, 20, False, 0.1)):
+            row = Row(lay, 0.1, 1.0, share, factor, by_doc)
+            bad = bad_mask(rng, ids, sims, row)
+            values = {}
+            for key, threshold, _ in CHECKS.values():
+                h, sd = HEALTHY[key]
+                loss = 1 - h if key == "agree" else h
+                if key == "kl":
+                    loss, sd = level * threshold * (1 - share + share * factor), 0.4 * level * threshold
+                values[key] = metric_values(rng, ids, sims, row, key, loss, sd, bad)
+            res = gate_vectorized(values, ids, design)
+            fail = float((~res["gate_pass"]).mean())
+            lo, hi = wilson(fail, sims)
+            out.append({"layout": lay, "bad_share": share, "bad_factor": factor, "bad_by_document": by_doc,
+                        "kl_bulk_over_threshold": level, "sims": sims, "gate_fail_rate": fail, "ci95": [lo, hi],
+                        "mean_windows": float(res["used"].mean()),
+                        "kl_tail_fail": float((res["final"][TAIL[0]] != 1).mean())})
+            if verify:
+                real = gate_real(values, ids, design, verify)
+                same = all(np.array_equal(real["final"][k], res["final"][k][:verify]) for k in real["final"])
+                out[-1]["verified"] = {"gates": verify, "identical": bool(same)}
+                if not same:
+                    raise SystemExit(f"vectorized and real gate differ: rare bad {lay} {share} {factor}")
+    return out
 
-    n = tokens.shape[1]
-    mean, se = tokens.mean(1), tokens.std(1, ddof=1) / math.sqrt(n)
-    return float((mean + stats.norm.isf(alpha) * se <= threshold).mean())
+
+# candidates shaped like real runs (per-window mean and sd; fp8: the default pydoc run's first 8 windows; the others:
+# their WikiText-2 means (bench/RESULTS.md) with a window coefficient of variation of 0.3), and their thresholds
+PREDICT = {
+    "fp8": ({"dnll": (0.0288, 0.0063), "agree": (0.903, 0.013), "kl": (0.0307, 0.0016)}, CHECKS, TAIL),
+    "fp8 kv=fp8": ({"dnll": (0.039, 0.009), "agree": (0.873, 0.018), "kl": (0.045, 0.004)}, CHECKS, TAIL),
+    "int8_sq (WikiText-2, pydoc calibration)": ({"dnll": (0.300, 0.09), "agree": (0.699, 0.05), "kl": (0.30, 0.09)},
+                                                CHECKS, TAIL),
+    "int4_awq": ({"dnll": (0.247, 0.074), "agree": (0.715, 0.03), "kl": (0.22, 0.066)},
+                 {"ppl_ratio": ("dnll", math.log(1.35), False), "top1_agreement": ("agree", 0.70, True),
+                  "kl_mean": ("kl", 0.50, False)}, ("kl_tail", 0.05, 1.0)),
+}
 
 
-def mc_interval(p: float, sims: int) -> str:
-    half = 1.96 * math.sqrt(max(p * (1 - p), 1e-12) / sims)
-    return f"{p:.4f} ± {half:.4f}"
+def predicted_runs(rng, layouts, sims: int, alpha: float, beta: float) -> list[dict]:
+    """Verdict and windows used of the default runs, predicted by simulating the gate on candidates shaped like the
+    real runs (PREDICT) on the real document layouts, intra-document correlation 0.3, skewness 1."""
+    from quantlab.gate import checks, stats
+    from quantlab.gate.config import Threshold
+
+    out = []
+    for lay in ("pydoc", "wikitext2"):
+        ids = layout(lay, layouts)
+        for name, (shape, checks_, tail) in PREDICT.items():
+            design = checks.with_tails(stats.make_design(ids.size, 8, alpha, beta, True, "pocock"),
+                                       {tail[0]: Threshold(max=tail[1], above=tail[2])})
+            row = Row(lay, 0.3, 1.0)
+            values = {key: metric_values(rng, ids, sims, row, key, 1 - m if key == "agree" else m, sd,
+                                         np.zeros((sims, ids.size), dtype=bool)) for key, (m, sd) in shape.items()}
+            res = gate_vectorized(values, ids, design, tail, checks_)
+            undecided = np.any([v == 0 for v in res["final"].values()], axis=0) & ~np.any(
+                [v == -1 for v in res["final"].values()], axis=0)
+            out.append({"layout": lay, "run": name, "pass": float(res["gate_pass"].mean()),
+                        "undecided_at_cap": float(undecided.mean()),
+                        "windows_median": float(np.median(res["used"])), "windows_mean": float(res["used"].mean())})
+    return out
+
+
+def real_shape(paths: list[str], layouts) -> list[dict]:
+    """Skewness and intra-document correlation of real runs' per-window values (metrics.json windows; documents from
+    the file, or the pydoc layout when the file predates them)."""
+    from scipy import stats as st
+
+    from quantlab.gate import stats
+
+    rows = []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        w = doc["windows"]
+        n = len(w["dnll"])
+        ids = np.asarray(w.get("document") or layouts["pydoc"]["docs_in_order"][:n])
+        clusters = stats.Clusters(ids)
+        for key in ("dnll", "top1_agreement", "kl_mean"):
+            v = np.asarray(w[key], dtype=np.float64)
+            summary = stats.cluster_summary(v, clusters)
+            rows.append({"run": f"{doc['run']['precision']} kv={doc['run'].get('kv_cache')}", "metric": key,
+                         "windows": n, "documents": summary["clusters"], "mean": float(v.mean()),
+                         "sd": float(v.std(ddof=1)), "skewness": float(st.skew(v, bias=False)),
+                         "icc": summary["icc"], "design_effect": summary["design_effect"],
+                         "max": float(v.max())})
+    return rows
+
+
+def table_rows(kind: str, layouts: list[str]) -> list[Row]:
+    """The rows of the type-I / power table: every layout x ICC x skewness, and rare bad windows."""
+    if kind == "rare":
+        return []
+    if kind == "quick":
+        return [Row("pydoc", 0.3, 2.5, label="pydoc icc 0.3 skew 2.5"), Row("wikitext2", 0.1, 1.0, label="wiki")]
+    rows = []
+    for lay in layouts:
+        for icc in ((0.0,) if lay == "independent" else (0.0, 0.1, 0.3, 0.5)):
+            for skew in (1.0, 2.5):
+                rows.append(Row(lay, icc, skew, label=f"{lay} icc {icc} skew {skew}"))
+        for share in (0.02, 0.05):
+            for by_doc in ((False,) if lay == "independent" else (False, True)):
+                rows.append(Row(lay, 0.1, 1.0, share, 5.0, by_doc,
+                                label=f"{lay} icc 0.1 skew 1, {share:.0%} of windows 5x worse"
+                                      f"{' (whole documents)' if by_doc else ''}"))
+    return rows
 
 
 def main() -> None:
-    from quantlab.gate import stats
-
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sims", type=int, default=10000)
-    ap.add_argument("--looks", type=int, default=8, help="windows per look")
-    ap.add_argument("--cap", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per window in the AR(1) simulation")
+    ap.add_argument("--sims", type=int, default=4000)
+    ap.add_argument("--rows", default="all", help="all | quick (two rows) | rare (the rare-bad candidates and the "
+                                                  "predicted default runs) | table (the check rows only)")
+    ap.add_argument("--verify", type=int, default=0, help="real-gate check of the first N gates of every row")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--beta", type=float, default=0.2)
-    ap.add_argument("--spending", default="pocock")
-    ap.add_argument("--pool", help="a metrics.json whose per-window values to resample")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate-shape", type=float, default=2.0,
-                    help="Beta shape of per-window exceedance rates (smaller = more clustered; 0.5 is extreme)")
-    ap.add_argument("--out", help="write the table as JSON here")
+    ap.add_argument("--layouts", default="pydoc,wikitext2,independent", help="the layouts whose rows to run")
+    ap.add_argument("--runs", nargs="*", default=[], help="metrics.json files of real runs (skewness, ICC)")
+    ap.add_argument("--out", help="write every row as JSON here")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
+    layouts = json.loads(LAYOUTS.read_text()) if LAYOUTS.is_file() else make_layouts(LAYOUTS)
     start = time.time()
-    designs = {"sequential": stats.make_design(args.cap, args.looks, args.alpha, args.beta, True, args.spending),
-               "fixed": stats.make_design(args.cap, args.looks, args.alpha, args.beta, False)}
-    # check kinds: (name, threshold, higher_is_better, token sd or exceedance cluster shape, distribution); the
-    # last two are stress cases (a p95 check, and exceedances in extreme clusters), reported beside the others
-    kinds = [("ppl_ratio (dNLL <= log 1.10)", math.log(1.10), False, 0.6, "normal"),
-             ("top1_agreement >= 0.80", 0.80, True, 0.4, "normal"),
-             ("kl_mean <= 0.25", 0.25, False, 0.5, "lognormal"),
-             ("kl_p99 <= t (exceedance <= 0.01)", 0.01, False, args.rate_shape, "exceedance"),
-             ("kl_p95 <= t (exceedance <= 0.05)", 0.05, False, args.rate_shape, "exceedance"),
-             ("kl_p99, extreme clusters (shape 0.5)", 0.01, False, 0.5, "exceedance")]
-    pool = None
-    if args.pool:
-        doc = json.loads(open(args.pool).read())
-        w = doc["windows"]
-        pool = {"ppl_ratio (dNLL <= log 1.10)": np.asarray(w["dnll"]), "top1_agreement >= 0.80":
-                np.asarray(w["top1_agreement"]), "kl_mean <= 0.25": np.asarray(w["kl_mean"])}
-    rows = []
-    for name, threshold, hib, sd, dist in kinds:
-        for design_name, design in designs.items():
-            sims = args.sims
-            if pool is not None and name in pool:
-                base = pool[name] - pool[name].mean()
-                null, tokens = threshold + rng.choice(base, (sims, args.cap)), None
-            elif dist == "exceedance":
-                null, tokens = chunked(lambda m, threshold=threshold, sd=sd: windows_exceedance(
-                    rng, m, args.cap, args.tokens * 8, threshold, sd), sims)
-            else:
-                null, tokens = chunked(lambda m, threshold=threshold, sd=sd, dist=dist:
-                                       windows_ar1(rng, m, args.cap, args.tokens, threshold, sd, 0.6, dist), sims)
-            k = len(design.looks) - 1  # the MDE the gate reports at the cap (stats.mde), averaged over the datasets
-            c = design.t_boundary(k, args.cap)
-            mean, lo, hi, se = stats.interval(null, c)
-            mde = float(np.mean(stats.mde(mean, lo, hi, se, hib, c, design.t_beta(args.cap, c))))
-            shift = mde if hib else -mde
-            alt = null + shift
-            if dist == "exceedance":  # the alternative drawn at the lower rate (a shifted share could go negative)
-                alt = chunked(lambda m, r=max(threshold - mde, 1e-4), sd=sd: windows_exceedance(
-                    rng, m, args.cap, args.tokens * 8, r, sd), sims)[0]
-            r0, r1 = run_design(null, threshold, hib, design), run_design(alt, threshold, hib, design)
-            row = {"check": name, "design": design_name, "looks": list(design.looks), "sims": sims,
-                   "type_I": r0["pass"], "power_at_mde": r1["pass"], "mde": mde,
-                   "mean_windows_null": r0["mean_windows"], "mean_windows_alt": r1["mean_windows"],
-                   "source": "pool" if pool is not None and name in pool else f"AR(1) rho 0.6, {dist}"}
-            if tokens is not None and design_name == "fixed" and not hib:
-                row["naive_token_type_I"] = naive_token_test(tokens[:2000], threshold, args.alpha)
-            rows.append(row)
-            print(f"{name:37s} {design_name:10s} type-I {mc_interval(row['type_I'], sims)}  "
-                  f"power at MDE {mc_interval(row['power_at_mde'], sims)}  (MDE {mde:.4g}; mean windows "
-                  f"{row['mean_windows_null']:.1f} at the threshold, {row['mean_windows_alt']:.1f} at the MDE)"
-                  + (f"  naive token-level test type-I {row['naive_token_type_I']:.3f}" if "naive_token_type_I" in row
-                     else ""), flush=True)
-    print(f"{len(rows)} rows, {args.sims} simulated datasets each, alpha {args.alpha}, beta {args.beta}, "
-          f"{time.time() - start:.0f} s")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    result = {"real": real_shape(args.runs, layouts) if args.runs else []}
+    for r in result["real"]:
+        print(f"real {r['run']:22s} {r['metric']:15s} n {r['windows']} docs {r['documents']} skew "
+              f"{r['skewness']:+.2f} icc {r['icc'] if r['icc'] is None else round(r['icc'], 3)} "
+              f"deff {r['design_effect']:.2f} mean {r['mean']:.4g} sd {r['sd']:.3g} max {r['max']:.4g}", flush=True)
+    rows = table_rows(args.rows, args.layouts.split(","))
+    result["rows"] = []
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    for row in rows:
+        for entry in run_row(rng, row, layouts, args.sims, args.verify, args.alpha, args.beta):
+            result["rows"].append(entry)
+            print(f"{entry['row']:58s} {entry['check']:15s} {entry['what']:6s} pass {entry['pass_rate']:.4f} "
+                  f"[{entry['ci95'][0]:.4f}, {entry['ci95'][1]:.4f}] MDE {entry['mde']:.4g} windows "
+                  f"{entry['mean_windows']:.1f}" + (" verified" if entry.get("verified") else ""), flush=True)
+        save()
+    if args.rows in ("all", "rare"):
+        result["predicted_runs"] = predicted_runs(rng, layouts, args.sims, args.alpha, args.beta)
+    for r in result.get("predicted_runs", []):
+        print(f"predicted {r['layout']:9s} {r['run']:40s} PASS {r['pass']:.3f} undecided at cap "
+              f"{r['undecided_at_cap']:.3f} windows median {r['windows_median']:.0f} mean {r['windows_mean']:.1f}",
+              flush=True)
+    result["rare_bad"] = rare_bad_rows(rng, layouts, args.sims, args.alpha, args.beta, args.verify) \
+        if args.rows in ("all", "rare") else []
+    for r in result["rare_bad"]:
+        print(f"rare bad {r['layout']:9s} {r['bad_share']:.0%} x{r['bad_factor']} "
+              f"{'documents' if r['bad_by_document'] else 'scattered'} KL bulk {r['kl_bulk_over_threshold']}T: "
+              f"gate FAIL {r['gate_fail_rate']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] windows "
+              f"{r['mean_windows']:.1f}", flush=True)
+    print(f"{len(result['rows'])} rows x {args.sims} simulated gates, {time.time() - start:.0f} s")
+    save()
 
 
 if __name__ == "__main__":

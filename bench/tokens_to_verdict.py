@@ -1,7 +1,8 @@
 """Tokens to verdict, sequential vs fixed-n, and paired vs unpaired interval widths, on the default model.
 
 The sweep fp8 / int8_sq / int4_awq x kv none / fp8 on WikiText-2 test (512-token windows, the default cap of 64
-windows and looks of 8, default gate and calibration), each run exactly as `python -m quantlab` runs it.
+windows and looks of 8, default gate and calibration; articles as documents: eval.doc_separator), or with
+--data pydoc on the default evaluation text, each run exactly as `python -m quantlab` runs it.
 
 - Sequential: the windows each run used before every gate check was decided (metrics.json design.windows_used).
 - Fixed-n with the same alpha / beta and the same MDE: the sequential design's MDE at its cap is
@@ -13,7 +14,7 @@ windows and looks of 8, default gate and calibration), each run exactly as `pyth
   text; top-1 agreement: the window-clustered interval against a token-level Wilson interval that ignores the
   dependence inside a window. Both at the windows the run used.
 
-    HF_HUB_OFFLINE=1 python bench/tokens_to_verdict.py [--data ../shared/data/wikitext-2-raw] [--cache DIR]
+    HF_HUB_OFFLINE=1 python bench/tokens_to_verdict.py [--data ../shared/data/wikitext-2-raw | pydoc] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def main() -> None:
             continue
         run_dir = Path(args.out) / f"{precision}_{kv}"
         t0 = time.time()
-        res = api.run([f"+precision={precision}", f"kv_cache={kv}", f"cache_dir={args.cache}",
-                       f"eval.path={Path(args.data) / 'wiki.test.raw'}"], run_dir)
+        data = [] if args.data == "pydoc" else [f"eval.path={Path(args.data) / 'wiki.test.raw'}",
+                                                "eval.doc_separator='^ = [^=].* = $'"]
+        res = api.run([f"+precision={precision}", f"kv_cache={kv}", f"cache_dir={args.cache}", *data], run_dir)
         wall = time.time() - t0
         doc = res.doc
         design = doc["gate"]["design"]
@@ -87,6 +89,9 @@ def main() -> None:
         wilson = hi - lo
         row = {"run": f"{precision} kv={kv}", "exit": res.exit_code, "verdict": "PASS" if res.passed else "FAIL",
                "windows_used": used, "cap": cap, "n_fixed_same_mde": round(n_fixed, 1),
+               "undecided_at_cap": any("undecided at the cap" in c.get("detail", "") for c in doc["gate"]["checks"]),
+               "checks": {c["name"]: [c["verdict"], c.get("clusters"), c.get("icc"), c.get("design_effect")]
+                          for c in doc["gate"]["checks"]},
                "ratio_fixed_over_sequential": round(n_fixed / used, 2), "wall_s": round(wall, 1),
                "ppl_ratio": doc["metrics"]["ppl_ratio"]["value"], "ppl_ci_width_paired": ppl_paired,
                "ppl_ci_width_unpaired": ppl_unpaired, "top1": doc["metrics"]["top1_agreement"]["value"],

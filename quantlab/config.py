@@ -75,6 +75,11 @@ class DataConfig:
     # eos | bos: every window is that token followed by seq_len - 1 text tokens, so the first text token is
     # scored too (lm-evaluation-harness's rolling-loglikelihood convention); null: plain text windows
     prefix_token: Optional[str] = None
+    # Documents (the gate's clusters, docs/statistics.md): records, rows and pydoc topics are documents; plain text is
+    # cut at blank lines. A regular expression here: a line of plain text (or a record's whole text) that fully
+    # matches it starts a new document and the lines / records up to the next match belong to it (WikiText's
+    # article headings: '^ = [^=].* = $'). Only the evaluation set uses documents.
+    doc_separator: Optional[str] = None
 
 
 @dataclass
@@ -92,6 +97,9 @@ class EvalConfig(DataConfig):
     # full window of the text
     """Evaluation data and settings: windows up to the cap, batch size, greedy generations, attribution."""
     max_windows: Optional[int] = 64
+    # the windows are chosen from the first pool_windows windows of the text (null: all of it), spread across its
+    # documents in a seeded, stratified order, so every look is a small version of the whole pool (reading stops there)
+    pool_windows: Optional[int] = 4096
     batch_size: int = 4
     gen_prompts: int = 4  # greedy-generation agreement: number of prompts (0 = off)
     gen_prompt_len: int = 32

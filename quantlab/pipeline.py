@@ -129,6 +129,7 @@ class _Run:
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
         verdict = gate_checks.verdict(cfg.gate, thresholds, result.checks, result.design, result.look,
                                       result.windows, result.metrics, self.provenance)
+        verdict["warnings"] = result.warnings + verdict["warnings"]  # the evaluation text's (few documents)
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
         layers = run.values["audit"].layers if "audit" in run.values else []

@@ -92,7 +92,8 @@ def test_prefix_token_windows_score_every_text_token(tiny_llama, tmp_path):
     width = cfg.eval.seq_len - 1
     assert evalset.seq_len == cfg.eval.seq_len
     assert (evalset.tokens[:, 0] == tok.eos_token_id).all()
-    for i, window in enumerate(evalset.tokens):
+    # windows are stored in the look order (spread across documents); positions say where each is in the text
+    for i, window in zip(evalset.positions.tolist(), evalset.tokens, strict=True):
         assert window[1:].tolist() == ids[i * width:(i + 1) * width]
     device = resolve_device("cpu")
     nll = evaluate.reference_arrays(_engine(load_model(ref, device, torch.float32)), evalset.tokens, cfg.eval)["nll"]

@@ -134,9 +134,11 @@ def test_decide_three_ways():
     assert stats.decide(good, 0.5, False, design, 0).verdict == "fail"
     assert stats.decide(good, 1.001, False, design, 0).verdict == "undecided"
     d = stats.decide(good, 1.5, False, design, 0)
-    # symmetric values: the plain t interval, and the MDE is (boundary + power margin) standard errors
+    # symmetric values: the plain t interval, and the MDE is (boundary + power margin) standard errors, over
+    # E[s] / sigma = c4(7) and widened by the simulation-chosen safety factor
     assert d.hi - d.value == pytest.approx(d.boundary * d.se)
-    assert d.mde == pytest.approx((d.boundary + design.t_beta(8, d.boundary)) * d.se)
+    c4 = math.sqrt(2 / 7) * math.gamma(4) / math.gamma(3.5)
+    assert d.mde == pytest.approx((d.boundary + design.t_beta(8, d.boundary)) * d.se / c4 * stats.MDE_SAFETY)
 
 
 def test_interval_widens_only_the_side_the_skew_threatens():

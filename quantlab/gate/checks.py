@@ -7,10 +7,14 @@ Each check reports its value, interval, threshold, margin and the minimum detect
 used (quantlab.gate.stats). Directions and ranges come from the metric registry, never from branches on names.
 
 Quantile thresholds (kl_p99 <= t) are tested as the share of positions above t (<= 1%), a mean over windows like
-every other check. A baseline (metrics.json of an earlier release) adds paired one-sided regression checks.
+every other check. Means are tested with the windows' documents as clusters (quantlab.gate.stats.Clusters); each
+check reports the documents, the measured intra-document correlation and the design effect. A tail check
+(kl_tail: {max: s, above: B}) tests the share of windows whose mean KL exceeds B with exact binomial boundaries and
+names the windows beyond B. A baseline (metrics.json of an earlier release) adds paired one-sided regression checks.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -26,6 +30,9 @@ from quantlab.precisions import PRECISIONS
 from quantlab.registry import did_you_mean
 
 UNDECIDED_AT_CAP = "undecided at the cap: raise eval.max_windows or provide more eval text"
+NOT_NEEDED = "not decided: the gate had already failed on another check"
+MAX_WHERE = 12  # windows a tail check names
+MDE_INFLATION_WARNING = 1.5  # few documents: warn when intervals are this much wider than independent windows'
 
 
 @dataclass
@@ -48,6 +55,11 @@ class Check:
     n: int = 0  # windows (prompts for generation metrics) the decision used
     bucket: str | None = None
     detail: str = ""
+    clusters: int | None = None  # documents among the windows used (the interval's clusters)
+    icc: float | None = None  # measured intra-document correlation of the tested per-window values
+    design_effect: float | None = None  # cluster-robust variance / the variance independent windows would give
+    df: float | None = None  # degrees of freedom of the interval (Bell-McCaffrey)
+    where: list = field(default_factory=list)  # tail checks: the windows beyond the bound (index, document, value)
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -68,6 +80,7 @@ def _check_threshold(where: str, name: str, th: Threshold, seq_len: int | None) 
         if not lo <= value <= hi:
             raise QuantlabError(f"{where}.{name}.{bound}={value:g} is outside {name}'s range [{lo:g}, {hi:g}]",
                                 fix=f"a threshold there can never pass or never fail; pick a value in [{lo:g}, {hi:g}]")
+    _check_tail(where, name, th, spec)
     if th.min is None and th.max is None:
         raise QuantlabError(f"{where}.{name} has neither min nor max", fix=f"set {where}.{name}.min or .max")
     if th.min is not None and th.max is not None and th.min > th.max:
@@ -91,6 +104,22 @@ def _check_threshold(where: str, name: str, th: Threshold, seq_len: int | None) 
                                 fix=f"use bucket: worst or one of {', '.join(labels)} (or raise eval.seq_len)")
 
 
+def _check_tail(where: str, name: str, th: Threshold, spec) -> None:
+    """A tail check needs the share (max, strictly between 0 and 1) and the per-window bound (above > 0); `above`
+    means nothing elsewhere."""
+    if spec.tail_of is None:
+        if th.above is not None:
+            raise QuantlabError(f"{where}.{name}.above: only tail checks (kl_tail) have a per-window bound",
+                                fix=f"drop {where}.{name}.above")
+        return
+    if th.above is None or not math.isfinite(th.above) or th.above <= 0:
+        raise QuantlabError(f"{where}.{name} needs above: the per-window {spec.tail_of} mean beyond which a window "
+                            "counts as bad (a positive number)", fix=f"set {where}.{name}.above, e.g. 0.5")
+    if th.max is None or not 0 < th.max < 1 or th.min is not None or th.bucket is not None:
+        raise QuantlabError(f"{where}.{name} bounds the share of windows beyond {th.above:g}: it takes max (strictly "
+                            "between 0 and 1) and above, no min or bucket", fix=f"set {where}.{name}.max, e.g. 0.05")
+
+
 def _as_threshold(where: str, raw) -> Threshold:
     if isinstance(raw, Threshold):
         return raw
@@ -102,14 +131,15 @@ def _as_threshold(where: str, raw) -> Threshold:
         if key not in fields:
             raise QuantlabError(f"{where} has no {key!r}{did_you_mean(key, fields)}",
                                 fix=f"valid keys there: {', '.join(fields)}")
-    for key in ("min", "max"):
+    for key in ("min", "max", "above"):
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise QuantlabError(f"{where}.{key}={value!r} is not a number", fix=f"give {where}.{key} a number")
     bucket = raw.get("bucket")
     if bucket is not None and not isinstance(bucket, str):
         raise QuantlabError(f"{where}.bucket={bucket!r} is not a bucket name", fix="use bucket: worst or e.g. 512-2k")
-    return Threshold(**{k: (float(v) if k in ("min", "max") and v is not None else v) for k, v in raw.items()})
+    return Threshold(**{k: (float(v) if k in ("min", "max", "above") and v is not None else v)
+                        for k, v in raw.items()})
 
 
 def thresholds_for(cfg: GateConfig, precision: str, seq_len: int | None = None) -> dict[str, Threshold]:
@@ -155,9 +185,41 @@ def check_gate(cfg: GateConfig, precision: str, eval_cfg=None) -> None:
                             f"(gate.statistical.look_windows={st.look_windows})",
                             fix=f"raise eval.max_windows to {st.look_windows} or more, or lower the look size")
     merged = thresholds_for(cfg, precision, eval_cfg.seq_len if eval_cfg is not None else None)
+    if eval_cfg is not None and eval_cfg.max_windows is not None:
+        check_tails(merged, stats.make_design(eval_cfg.max_windows, st.look_windows, st.alpha, st.beta,
+                                              st.sequential, st.spending, st.gamma), "eval.max_windows")
     if not merged and not cfg.baseline:
         raise QuantlabError("the gate has no checks: no thresholds and no baseline, so it could only ever pass",
                             fix="use gate=default or gate=strict, or add gate.thresholds.METRIC.min/max")
+
+
+def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: str) -> None:
+    """A tail check that no count can pass at any look of the design could only fail: exit 2 with the windows it
+    needs (about 3 / max with none beyond the bound, more with alpha spent over looks)."""
+    for name, th in thresholds.items():
+        if metrics.METRICS[name].tail_of is None or th.max is None:
+            continue
+        if max(stats.tail_boundaries(design.looks, th.max, design.alpha, design.kind, design.gamma)) >= 0:
+            continue
+        need = next((n for n in range(design.cap, 100_000) if stats.tail_boundaries(
+            stats.make_design(n, design.looks[0], design.alpha, design.beta, len(design.looks) > 1, design.kind,
+                              design.gamma).looks, th.max, design.alpha, design.kind, design.gamma)[-1] >= 0), None)
+        raise QuantlabError(f"gate {name} <= {th.max:g} can never pass with {design.cap} windows ({what}): showing "
+                            f"that fewer than {th.max:.0%} of windows are beyond {th.above:g} takes {need} windows "
+                            "with none beyond it",
+                            fix=f"raise eval.max_windows to {need} or more (with that much eval text), raise "
+                                f"gate.thresholds.{name}.max, or drop the {name} threshold")
+
+
+def with_tails(design: stats.Design, thresholds: dict[str, Threshold]) -> stats.Design:
+    """The design with first_pass at the first look where every tail check can pass: before it the gate cannot
+    pass, so the mean checks spend their alpha over the looks from there on (they can still fail earlier)."""
+    first = 0
+    for name, th in thresholds.items():
+        if metrics.METRICS[name].tail_of is not None and th.max is not None:
+            bounds = stats.tail_boundaries(design.looks, th.max, design.alpha, design.kind, design.gamma)
+            first = max(first, next((k for k, c in enumerate(bounds) if c >= 0), len(design.looks) - 1))
+    return dataclasses.replace(design, first_pass=first)
 
 
 def design_for(cfg: GateConfig, windows_available: int, cap: int | None) -> stats.Design:
@@ -181,11 +243,16 @@ class _Test:
     value: float | None = None  # the metric's value when the test is not on its scale (percentiles)
     ci: list | None = None
     mde_unit: str = ""
+    tail: np.ndarray | None = None  # tail checks: the per-window values compared with the bound
 
 
-def _test(name: str, bound: float, w: Windows, gen: dict | None) -> _Test:
+def _test(name: str, bound: float, w: Windows, gen: dict | None, above: float | None = None) -> _Test:
     spec = metrics.METRICS[name]
     hib = spec.higher_is_better
+    if spec.tail_of is not None:  # share of windows beyond `above` < bound, tested on 0/1 outcomes
+        values = w.per_window(spec.tail_of)
+        return _Test((values > above).astype(np.float64), bound, False, binary=True, tail=values,
+                     mde_unit=f"share of windows with mean {spec.tail_of} > {above:g}")
     if spec.quantile is not None:  # p-th percentile <= t  <=>  share of positions above t <= 1 - p
         q = spec.quantile
         return _Test(w.exceedance(bound), 1 - q, False, value=stats.percentile(w.a["kl"], q),
@@ -209,11 +276,17 @@ def _test(name: str, bound: float, w: Windows, gen: dict | None) -> _Test:
     return _Test(w.per_window(key), bound, hib, mde_unit=spec.unit or "")
 
 
-def _one(name: str, bound: float, op: str, w: Windows, gen: dict | None, design: stats.Design, look: int,
+def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design: stats.Design, look: int,
          bucket: str | None) -> Check:
-    test = _test(name, bound, w, gen)
-    decide = stats.decide_binary if test.binary else stats.decide
-    d = decide(test.values, test.threshold, test.higher_is_better, design, look)
+    bound = th.min if op == ">=" else th.max
+    test = _test(name, bound, w, gen, th.above)
+    clusters = w.clusters() if not name.startswith("gen_") else None
+    if test.tail is not None:
+        d = stats.decide_tail(test.values, test.threshold, design, look)
+    elif test.binary:
+        d = stats.decide_binary(test.values, test.threshold, test.higher_is_better, design, look)
+    else:
+        d = stats.decide(test.values, test.threshold, test.higher_is_better, design, look, clusters)
     f = test.to_metric or (lambda x: x)
     if test.value is not None:  # a percentile: report it, its bootstrap interval, the decision from exceedances
         value = test.value
@@ -226,15 +299,26 @@ def _one(name: str, bound: float, op: str, w: Windows, gen: dict | None, design:
     detail = (f"{d.verdict} at {d.n} windows: interval [{ci[0]:.4g}, {ci[1]:.4g}] vs {op} {bound:g}"
               + (f" (tested as {test.mde_unit} <= {test.threshold:g}: {d.value:.4g} [{d.lo:.4g}, {d.hi:.4g}])"
                  if test.value is not None else ""))
-    return Check(f"{name} {op} {bound:g}" + (f" [{bucket}]" if bucket else ""), "threshold", name, float(value),
+    summary = stats.cluster_summary(test.values, clusters) if not name.startswith("gen_") else {}
+    where = []
+    if test.tail is not None:
+        beyond = np.flatnonzero(test.values > 0)
+        where = [{"window": w.label(int(i)), "value": float(test.tail[i])}
+                 for i in beyond[np.argsort(-test.tail[beyond])][:MAX_WHERE]]
+        detail += f"; {int(beyond.size)} of {d.n} windows beyond {th.above:g}" + (
+            ": " + ", ".join(f"{x['window']} {x['value']:.3g}" for x in where) if where else "")
+    return Check(f"{name} {op} {bound:g}" + (f" [{bucket}]" if bucket else "") +
+                 (f" (windows above {th.above:g})" if test.tail is not None else ""), "threshold", name, float(value),
                  float(bound), op, d.verdict == "pass", float(margin), d.verdict, [float(ci[0]), float(ci[1])],
-                 level, float(d.mde), test.mde_unit, d.n, bucket, detail)
+                 level, float(d.mde), test.mde_unit, d.n, bucket, detail, summary.get("clusters"), summary.get("icc"),
+                 summary.get("design_effect"), summary.get("df"), where)
 
 
-def _bucketed(name: str, bound: float, op: str, w: Windows, gen, design, look, bucket: str) -> Check:
+def _bucketed(name: str, th: Threshold, op: str, w: Windows, gen, design, look, bucket: str) -> Check:
+    bound = th.min if op == ">=" else th.max
     bounds = metrics.bucket_bounds(w.t)
     chosen = bounds if bucket == "worst" else [b for b in bounds if b[0] == bucket]
-    checks = [_one(name, bound, op, w.columns(lo, hi), gen, design, look, label) for label, lo, hi in chosen]
+    checks = [_one(name, th, op, w.columns(lo, hi), gen, design, look, label) for label, lo, hi in chosen]
     worst = min(checks, key=lambda c: c.margin)
     verdicts = {c.verdict for c in checks}
     verdict = "fail" if "fail" in verdicts else "undecided" if "undecided" in verdicts else "pass"
@@ -253,24 +337,51 @@ def evaluate_checks(thresholds: dict[str, Threshold], w: Windows, gen: dict | No
             if bound is None:
                 continue
             if th.bucket:
-                out.append(_bucketed(name, bound, op, w, gen, design, look, th.bucket))
+                out.append(_bucketed(name, th, op, w, gen, design, look, th.bucket))
             else:
-                out.append(_one(name, bound, op, w, gen, design, look, None))
+                out.append(_one(name, th, op, w, gen, design, look, None))
     return out
 
 
 def settled(checks: list[Check]) -> bool:
-    """True when no check is undecided (evaluation can stop taking looks)."""
-    return all(c.verdict != "undecided" for c in checks)
+    """True when the gate's verdict is known (evaluation can stop taking looks): no check is undecided, or one has
+    failed (the gate fails whatever the others would say; stopping then can only lower the chance of a PASS)."""
+    return all(c.verdict != "undecided" for c in checks) or any(c.verdict == "fail" for c in checks)
 
 
 def finish(checks: list[Check], at_cap: bool) -> list[Check]:
-    """At the cap an undecided check is a failure, with the reason."""
+    """At the cap an undecided check is a failure, with the reason; before it, an undecided check left open because
+    another failed says so."""
     for c in checks:
-        if c.verdict == "undecided" and at_cap:
+        if c.verdict == "undecided":
             c.passed = False
-            c.detail = f"{UNDECIDED_AT_CAP}; {c.detail}"
+            c.detail = f"{UNDECIDED_AT_CAP if at_cap else NOT_NEEDED}; {c.detail}"
     return checks
+
+
+def check_documents(docs, design: stats.Design) -> list[str]:
+    """The documents of the windows up to the cap against the error rates asked for: fewer than 2 documents leave no
+    between-document variance to estimate (exit 2, with the fix); with few documents the intervals' degrees of freedom
+    make every interval wider than independent windows would: a warning when the minimum detectable effect at the
+    cap grows by more than MDE_INFLATION_WARNING."""
+    if docs is None:
+        return []
+    clusters = stats.Clusters(np.asarray(docs)[: design.cap])
+    if clusters.g < 2:
+        raise QuantlabError(f"the {design.cap} evaluation windows all come from one document, so no interval over "
+                            "documents exists (a document's windows are not independent)",
+                            fix="give text with more documents (records, rows, blank-line separated paragraphs), or "
+                                "set eval.doc_separator to the line that starts each of its documents")
+    if clusters.singletons:
+        return []
+    k = len(design.looks) - 1
+    c_z, c_t = design.z_boundary(k), design.t_boundary(k, design.cap, clusters.df)
+    ratio = (c_t + design.t_beta(design.cap, c_t, clusters.df)) / (c_z + stats.z(1 - design.beta))
+    if ratio <= MDE_INFLATION_WARNING:
+        return []
+    return [f"the {design.cap} evaluation windows come from {clusters.g} documents (interval degrees of freedom "
+            f"{clusters.df:.1f}): minimum detectable effects are {ratio:.2f}x those of independent windows. Use "
+            "evaluation text with more documents, or raise eval.max_windows / eval.pool_windows"]
 
 
 def power_warnings(checks: list[Check]) -> list[str]:
@@ -359,6 +470,7 @@ def verdict(cfg: GateConfig, thresholds: dict[str, Threshold], checks: list[Chec
                                 "gamma": design.gamma if design.kind == "hsd" else None, "looks": list(design.looks),
                                 "stopped_at_look": look + 1, "windows_used": design.looks[look],
                                 "cap": design.cap, "sequential": len(design.looks) > 1,
+                                "first_passing_look": design.first_pass + 1,
                                 "boundaries_z": [design.z_boundary(k) for k in range(len(design.looks))]}}
     all_checks = list(checks)
     if cfg.baseline:

@@ -4,7 +4,8 @@ Conventions (README "Metrics" has the same text):
 - A window of T tokens gives T-1 predicted positions (position t predicts token t+1).
 - log p = logits - logsumexp(logits) in float32, over the full vocabulary of both models (the reference's logits
   are recomputed from its cached final hidden states), so every KL here is exact, not a top-k bound.
-- Windows, not tokens, are the independent units of every interval (quantlab.gate.stats).
+- Documents, not tokens or windows, are the independent units of every interval (quantlab.gate.stats); a window
+  belongs to the document holding most of its tokens (quantlab.stages.data).
 - The KL and probability statistics follow the definitions of llama.cpp's `llama-perplexity --kl-divergence`
   (KL(ref || cand) per position; delta-p = p_cand(token) - p_ref(token) of the correct next token; "same top" =
   top-1 agreement; percentiles by linear interpolation), so the numbers are comparable across tools. quantlab also
@@ -42,6 +43,7 @@ class MetricSpec:
     quantile: float | None = None
     unit: str = ""
     log_scale: bool = False  # tested as a mean of log values (perplexities): a threshold must be > 0
+    tail_of: str | None = None  # a tail check: share of windows whose per-window mean of this quantity > `above`
 
     def loss(self, value: float) -> float:
         """How far from ideal, in the metric's units, positive when worse (attribution adds these up)."""
@@ -72,6 +74,9 @@ for _name, _spec in {
     "kl_p999": MetricSpec(False, "99.9th percentile over positions of the per-position KL", 0.0, in_table=False,
                           range=_POS, quantile=0.999, unit="nats"),
     "kl_max": MetricSpec(False, "largest per-position KL", 0.0, gateable=False, in_table=False, range=_POS),
+    "kl_tail": MetricSpec(False, "share of windows whose mean KL exceeds the threshold's `above` bound (a tail check: "
+                                 "a candidate broken on a few percent of the text fails it)", 0.0, in_table=False,
+                          range=_P, unit="share of windows", tail_of="kl"),
     "dp_true_mean": MetricSpec(True, "mean over positions of p_cand(correct token) - p_ref(correct token) "
                                      "(llama.cpp's mean delta-p)", 0.0, in_table=False, range=(-1.0, 1.0)),
     "dp_true_rms": MetricSpec(False, "root mean square of the same delta-p", 0.0, gateable=False, in_table=False,
@@ -192,18 +197,37 @@ class Windows:
     """Per-position arrays [windows, positions] of one candidate (POSITION_FIELDS plus targets) and the per-window
     values every check is tested on."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], targets: np.ndarray):
+    def __init__(self, arrays: dict[str, np.ndarray], targets: np.ndarray, docs=None, labels=None, positions=None):
         self.a = arrays
         self.targets = targets
         self.n, self.t = targets.shape
+        self.docs = None if docs is None else np.asarray(docs)[: self.n]  # document of each window (the clusters)
+        self.labels = labels  # document -> label (reports)
+        self.positions = None if positions is None else np.asarray(positions)[: self.n]  # window index in the text
 
     def head(self, n: int) -> Windows:
         """The first n windows."""
-        return Windows({k: v[:n] for k, v in self.a.items()}, self.targets[:n])
+        return Windows({k: v[:n] for k, v in self.a.items()}, self.targets[:n], self.docs, self.labels,
+                       self.positions)
 
     def columns(self, lo: int = 0, hi: int | None = None) -> Windows:
         """Positions lo..hi of every window (a bucket)."""
-        return Windows({k: v[:, lo:hi] for k, v in self.a.items()}, self.targets[:, lo:hi])
+        return Windows({k: v[:, lo:hi] for k, v in self.a.items()}, self.targets[:, lo:hi], self.docs, self.labels,
+                       self.positions)
+
+    def clusters(self):
+        """The windows' documents as quantlab.gate.stats.Clusters (None: every window its own document)."""
+        from quantlab.gate import stats
+
+        return None if self.docs is None else stats.Clusters(self.docs)
+
+    def label(self, i: int) -> str:
+        """Where window i is: its index in the text and its document's label."""
+        where = f"window {int(self.positions[i])}" if self.positions is not None else f"window {i}"
+        if self.docs is not None:
+            doc = int(self.docs[i])
+            where += f" ({(self.labels or {}).get(str(doc), f'document {doc}')})"
+        return where
 
     def per_window(self, name: str) -> np.ndarray:
         """Per-window mean of a per-position quantity (or of a derived one: dnll, agree, flips)."""

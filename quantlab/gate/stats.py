@@ -1,11 +1,18 @@
 """Statistics of the gate: paired per-window intervals, the group-sequential design, decisions and their power.
 
 Units. Candidate and reference are scored on the same tokens. A window is a contiguous block of tokens; the
-per-token values inside a window are dependent, windows much less so, so every interval is computed over
-per-window values (the window is the cluster). With equal window lengths the mean of window means is the token
-mean, and the t-interval over window means is the cluster-robust interval (CR variance with the t(n-1) small
-sample correction), widened on the side a right or left skew threatens (`interval`); its coverage under within-window
-dependence and skew is checked by simulation in bench/gate_calibration.py.
+per-token values inside a window are dependent, and so are the windows of one document (a topic, an article, a
+record), so every interval is computed over per-window values with the document as the cluster (`Clusters`,
+`interval`): the mean of window means (the token mean: windows have equal lengths) with the CR2 cluster-robust
+variance (Bell-McCaffrey: each document's residual total divided by sqrt(1 - n_g / N)) and Satterthwaite degrees of
+freedom for that variance, widened on the side a right or left skew of the document totals threatens (Hall's
+transformation). When every window is its own document this is exactly the t interval over windows with n - 1
+degrees of freedom. Its coverage under within-document correlation, skew and rare bad windows is checked by
+simulation of the gate's own decisions in bench/gate_calibration.py.
+
+Tails. A share of windows whose value exceeds a bound (`decide_tail`) is tested as a count with exact binomial
+group-sequential boundaries: at each look the largest count that may still pass is the one whose exact probability
+of passing so far, when the true share is on the threshold, stays within the alpha spent by that look.
 
 Sequential design. Evaluation proceeds in looks of `look_windows` windows up to the cap (eval.max_windows or the
 text's windows). Each check is a one-sided test of "the metric is on the good side of its threshold": PASS when the
@@ -67,6 +74,73 @@ def percentile(values, q: float) -> float:
     what llama.cpp's KL statistics use)."""
     v = np.asarray(values, dtype=np.float64)
     return float(np.quantile(v, q)) if v.size else float("nan")
+
+
+WORKING_ICC = 0.5  # the intra-document correlation the degrees of freedom assume (bench/gate_calibration.py)
+
+
+class Clusters:
+    """The documents of the first n windows (their ids in window order), with what the cluster-robust interval
+    needs: sizes, CR2 weights 1 / (1 - n_g / N) and the Bell-McCaffrey degrees of freedom. None of it depends on the
+    values, so one layout serves every look of every simulated dataset."""
+
+    def __init__(self, ids):
+        ids = np.asarray(ids)
+        self.n = int(ids.size)
+        _, self.inverse, self.sizes = np.unique(ids, return_inverse=True, return_counts=True)
+        self.g = int(self.sizes.size)
+        self.singletons = self.g == self.n
+        with np.errstate(divide="ignore"):
+            self.weights = 1.0 / (1.0 - self.sizes / self.n)  # inf for one document holding every window
+        self._onehot = None
+
+    @property
+    def df(self) -> float:
+        """Satterthwaite degrees of freedom of the CR2 variance of a mean (Bell and McCaffrey) under a working model
+        of exchangeable windows within a document, correlation WORKING_ICC: (tr B)^2 / ||B||_F^2 with
+        B = U' Omega U, U's columns sqrt(w_g) (I - H) 1_g / N. n - 1 for singletons (any working ICC); fewer
+        for few or unequal documents, and fewer the more a document's windows are assumed alike."""
+        if self.g < 2:
+            return 0.0
+        n_g = self.sizes.astype(np.float64)
+        a = 1 - WORKING_ICC + WORKING_ICC * n_g  # Omega 1_g = a_g 1_g
+        total = float((a * n_g).sum())
+        outer = np.outer(n_g, n_g) / self.n
+        b = np.diag(a * n_g) - outer * (a[:, None] + a[None, :]) + outer * total / self.n
+        b *= np.sqrt(np.outer(self.weights, self.weights))
+        return float(np.trace(b) ** 2 / (b * b).sum())
+
+    def totals(self, d):
+        """Per-document sums of d along its last axis ([..., n] -> [..., G])."""
+        d = np.asarray(d, dtype=np.float64)
+        if d.ndim == 1:
+            return np.bincount(self.inverse, weights=d, minlength=self.g)
+        if self._onehot is None:
+            self._onehot = np.zeros((self.n, self.g))
+            self._onehot[np.arange(self.n), self.inverse] = 1.0
+        return d @ self._onehot
+
+
+def cluster_summary(values, clusters: Clusters | None) -> dict:
+    """Documents, the measured intra-document correlation of the values (one-way ANOVA estimator, unequal sizes;
+    may be negative) and the design effect: the CR2 variance of the mean over the variance that independent windows
+    would give (1 when every window is its own document)."""
+    v = np.asarray(values, dtype=np.float64)
+    n = v.size
+    if clusters is None or clusters.singletons or n < 3:
+        return {"clusters": int(n if clusters is None else clusters.g), "icc": None, "design_effect": 1.0,
+                "df": float(max(n - 1, 0))}
+    g, sizes = clusters.g, clusters.sizes
+    means = clusters.totals(v) / sizes
+    msb = float((sizes * (means - v.mean()) ** 2).sum() / max(g - 1, 1))
+    msw = float(((v - means[clusters.inverse]) ** 2).sum() / max(n - g, 1))
+    n0 = (n - (sizes ** 2).sum() / n) / max(g - 1, 1)
+    icc = (msb - msw) / (msb + (n0 - 1) * msw) if msb + (n0 - 1) * msw > 0 else 0.0
+    d = v - v.mean()
+    naive = float((d * d).sum() / (n - 1) / n)
+    t = clusters.totals(d)
+    cr2 = float((clusters.weights * t * t).sum() / n ** 2) if g > 1 else math.inf
+    return {"clusters": g, "icc": float(icc), "design_effect": cr2 / naive if naive > 0 else 1.0, "df": clusters.df}
 
 
 def cluster_bootstrap(window_values: list[np.ndarray], statistic, confidence: float = 0.95, resamples: int = 1000,
@@ -180,6 +254,12 @@ class Design:
     beta: float
     kind: str = "pocock"
     gamma: float = -2.0
+    first_pass: int = 0  # the first look at which the gate can pass (a tail check needs many windows): alpha is spent
+    # over the looks from there on; before it a check can fail but not pass
+
+    def passable(self, look: int) -> bool:
+        """Whether a check may pass at this look."""
+        return look >= self.first_pass
 
     @property
     def cap(self) -> int:
@@ -187,23 +267,28 @@ class Design:
         return self.looks[-1]
 
     def z_boundary(self, look: int) -> float:
-        """The one-sided z boundary of a look (alpha spending over the looks' information fractions)."""
-        fractions = tuple(n / self.cap for n in self.looks)
-        return boundaries(fractions, self.alpha, self.kind, self.gamma)[look]
+        """The one-sided z boundary of a look: alpha spending over the information fractions of the looks at which a
+        check can pass (from first_pass on); an earlier look (fail only) has the boundary of spending over every
+        look."""
+        if look < self.first_pass or self.first_pass == 0:
+            return boundaries(tuple(n / self.cap for n in self.looks), self.alpha, self.kind, self.gamma)[look]
+        passing = tuple(n / self.cap for n in self.looks[self.first_pass:])
+        return boundaries(passing, self.alpha, self.kind, self.gamma)[look - self.first_pass]
 
-    def t_boundary(self, look: int, n: int) -> float:
-        """The z boundary as a t quantile with n - 1 degrees of freedom (same tail probability)."""
+    def t_boundary(self, look: int, n: int, df: float | None = None) -> float:
+        """The z boundary as a t quantile with df degrees of freedom (default n - 1; same tail probability)."""
         c = self.z_boundary(look)
         if not math.isfinite(c):
             return math.inf
-        return _t_isf(_phi(-c), max(n - 1, 1))
+        df = n - 1 if df is None else df
+        return _t_isf(_phi(-c), df) if df > 0 else math.inf
 
-    def t_beta(self, n: int, c: float | None = None) -> float:
+    def t_beta(self, n: int, c: float | None = None, df: float | None = None) -> float:
         """Standard errors beyond the boundary c that a true effect must lie for power 1 - beta with n windows:
-        the noncentrality that puts 1 - beta of a noncentral t(n - 1) above c, minus c (about t_beta; exact for
-        the estimated variance). Without c: the t quantile t_{1-beta, n-1}."""
-        return power_margin(c, max(n - 1, 1), self.beta) if c is not None and math.isfinite(c) else \
-            _t_isf(self.beta, max(n - 1, 1))
+        the noncentrality that puts 1 - beta of a noncentral t(df) above c, minus c (about t_beta; exact for
+        the estimated variance). df defaults to n - 1. Without c: the t quantile t_{1-beta, df}."""
+        df = max(n - 1, 1) if df is None else max(df, 1e-3)
+        return power_margin(c, df, self.beta) if c is not None and math.isfinite(c) else _t_isf(self.beta, df)
 
     def look_of(self, n: int) -> int:
         """Index of the look made with n windows (the last look at or below n)."""
@@ -224,14 +309,14 @@ def make_design(cap: int, look_windows: int, alpha: float, beta: float, sequenti
 
 
 @lru_cache(maxsize=4096)
-def _t_isf(q: float, df: int) -> float:
+def _t_isf(q: float, df: float) -> float:
     from scipy import stats
 
     return float(stats.t.isf(q, df))
 
 
 @lru_cache(maxsize=4096)
-def power_margin(c: float, df: int, beta: float) -> float:
+def power_margin(c: float, df: float, beta: float) -> float:
     """ncp - c, where a noncentral t(df, ncp) exceeds c with probability 1 - beta."""
     from scipy import optimize, stats
 
@@ -243,16 +328,39 @@ def power_margin(c: float, df: int, beta: float) -> float:
 def _skew_inverse(x, gamma, n: int):
     """Inverse of Hall's (1992) cubic transformation g(T) = T + gamma (1 + 2 T^2) / (6 sqrt n) + gamma^2 T^3 / (27 n),
     which is monotone and removes the skewness of a studentized mean to second order: the quantile of T whose
-    transformed value is the normal (here t) quantile x."""
-    a = gamma / (6 * math.sqrt(n))
-    u = gamma / (3 * math.sqrt(n))
+    transformed value is the normal (here t) quantile x.
+
+    As a function of the skewness k = gamma / sqrt(n) the widening this gives rises, peaks and then falls back (the
+    cube root changes sign), so a very skewed small sample would get a narrower interval than a moderately skewed
+    one; k is therefore capped at the peak for this x (`_k_peak`), which keeps the widening monotone in k."""
+    k = np.asarray(gamma, dtype=np.float64) / math.sqrt(n)
+    cap = _k_peak(round(abs(float(x)), 12))
+    k = np.clip(k, -cap, cap)
+    a = k / 6
+    u = k / 3
     with np.errstate(divide="ignore", invalid="ignore"):
         r = (np.cbrt(1 + 3 * u * (x - a)) - 1) / np.where(u == 0, 1.0, u)
     return np.where(np.abs(u) < 1e-12, x - a, r)
 
 
-def interval(values, c: float):
-    """(mean, lo, hi, se) of the mean of per-window values, along the last axis, at the t multiplier c.
+@lru_cache(maxsize=1024)
+def _k_peak(x: float) -> float:
+    """The skewness k at which Hall's inverse at the quantile x widens the interval the most."""
+    from scipy import optimize
+
+    if x <= 0:
+        return math.inf
+
+    def width(k: float) -> float:  # how far the widened end lies beyond x (for x > 0 and k > 0: the upper end)
+        return -(1 - np.cbrt(1 - 3 * (k / 3) * (x + k / 6))) / (k / 3)
+
+    res = optimize.minimize_scalar(width, bounds=(1e-6, 20.0), method="bounded", options={"xatol": 1e-9})
+    return float(res.x)
+
+
+def interval(values, c: float, clusters: Clusters | None = None):
+    """(mean, lo, hi, se) of the mean of per-window values, along the last axis, at the t multiplier c; with
+    clusters (the documents of the windows, not all singletons) the cluster-robust version (`_cluster_interval`).
 
     Window values of KL, exceedance shares and (less) dNLL are right-skewed, and a symmetric t interval then
     passes 'mean <= threshold' too often: the samples that look good are the ones that missed the long tail, so
@@ -261,6 +369,8 @@ def interval(values, c: float):
     skewness is inflated by (1 + 4 / sqrt(n)) for its small-sample bias toward zero. With looks of 8 windows this
     keeps the type-I error of every check at 5% +- 1% in bench/gate_calibration.py (symmetric data: slightly
     conservative); the factor was chosen there, on simulated and resampled real window values."""
+    if clusters is not None and not clusters.singletons:
+        return _cluster_interval(values, c, clusters)
     v = np.asarray(values, dtype=np.float64)
     n = v.shape[-1]
     mean = v.mean(-1)
@@ -283,6 +393,49 @@ def interval(values, c: float):
     return mean, lo, hi, se
 
 
+SKEW_INFLATION = 4.0  # the sample skewness is inflated by 1 + SKEW_INFLATION / sqrt(units) (bench/gate_calibration.py)
+DOC_SKEW_INFLATION = 0.0  # the same for the skewness of the documents' totals (none: with the windows' inflated
+# skewness beside it, more made pydoc's 10 documents needlessly conservative; bench/gate_calibration.py)
+MDE_SAFETY = 1.1  # the reported MDE is widened by this: the skew correction's own spread (chosen by simulation)
+
+
+def _mean_skewness(x, units: int, inflation: float = SKEW_INFLATION):
+    """Skewness of a mean estimated from per-unit residual sums x [..., units] (adjusted Fisher-Pearson, inflated for
+    its small-sample bias toward zero): gamma / sqrt(units) in Hall's notation."""
+    s2 = (x * x).sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(s2 > 0, (x ** 3).sum(-1) / s2 ** 1.5, 0.0)
+    return k * math.sqrt(units * (units - 1)) / (units - 2) * (1 + inflation / math.sqrt(units))
+
+
+def _cluster_interval(values, c: float, clusters: Clusters):
+    """The interval of `interval` with documents as clusters: CR2 standard error sqrt(sum_g w_g T_g^2) / N over the
+    documents' residual totals T_g (w_g = 1 / (1 - n_g / N)), and Hall's correction with the skewness of the
+    adjusted totals sqrt(w_g) T_g (G sqrt(G - 1) / (G - 2) sum A^3 / (sum A^2)^1.5, inflated by 1 + 4 / sqrt(G)),
+    on the side it widens. With every window its own document this is the t interval of `interval` exactly."""
+    v = np.asarray(values, dtype=np.float64)
+    n, g = v.shape[-1], clusters.g
+    mean = v.mean(-1)
+    if g < 2:
+        inf = np.full(np.shape(mean), math.inf)
+        out = (mean, -inf, inf, inf)
+        return tuple(float(x) for x in out) if v.ndim == 1 else out
+    d = v - (mean[..., None] if v.ndim > 1 else mean)
+    a = clusters.totals(d) * np.sqrt(clusters.weights)
+    s2 = (a * a).sum(-1)
+    se = np.sqrt(s2) / n
+    # skewness of the mean: from the documents' totals and from the windows (as if independent), the larger in
+    # size on each side: few documents estimate it poorly, and windows miss a skewed document effect
+    k_docs = _mean_skewness(a, g, DOC_SKEW_INFLATION) if g >= 3 else np.zeros(np.shape(mean))
+    k_windows = _mean_skewness(d, n, SKEW_INFLATION) if n >= 3 else np.zeros(np.shape(mean))
+    up, down = np.maximum(np.maximum(k_docs, k_windows), 0.0), np.minimum(np.minimum(k_docs, k_windows), 0.0)
+    hi = mean - se * _skew_inverse(-c, up, 1)
+    lo = mean - se * _skew_inverse(c, down, 1)
+    if v.ndim == 1:
+        return float(mean), float(lo), float(hi), float(se)
+    return mean, lo, hi, se
+
+
 @dataclass
 class Decision:
     """One check at one look: the estimate, its interval at the look's boundary, and the verdict."""
@@ -297,25 +450,38 @@ class Decision:
     mde: float  # minimum detectable distance from the threshold (test scale) at this n, power 1 - beta
 
 
-def decide(window_values, threshold: float, higher_is_better: bool, design: Design, look: int) -> Decision:
-    """Test one threshold on per-window values at one look of the design (the interval of `interval`)."""
+def decide(window_values, threshold: float, higher_is_better: bool, design: Design, look: int,
+           clusters: Clusters | None = None) -> Decision:
+    """Test one threshold on per-window values at one look of the design (the interval of `interval`, with the
+    windows' documents as clusters when given: the t quantile then has the CR2 Bell-McCaffrey degrees of freedom)."""
     v = np.asarray(window_values, dtype=np.float64)
     n = int(v.size)
-    c = design.t_boundary(look, n)
+    df = None if clusters is None or clusters.singletons else clusters.df
+    c = design.t_boundary(look, n, df)
     if n == 0:
         return Decision(float("nan"), -math.inf, math.inf, math.inf, 0, c, "undecided", math.inf)
-    mean, lo, hi, se = interval(v, c) if math.isfinite(c) else (float(v.mean()), -math.inf, math.inf, math.inf)
-    if higher_is_better:
-        verdict = "pass" if lo >= threshold else "fail" if hi < threshold else "undecided"
-    else:
-        verdict = "pass" if hi <= threshold else "fail" if lo > threshold else "undecided"
-    return Decision(mean, lo, hi, se, n, c, verdict, mde(mean, lo, hi, se, higher_is_better, c, design.t_beta(n, c)))
+    mean, lo, hi, se = interval(v, c, clusters) if math.isfinite(c) else \
+        (float(v.mean()), -math.inf, math.inf, math.inf)
+    passed, failed = (lo >= threshold, hi < threshold) if higher_is_better else (hi <= threshold, lo > threshold)
+    verdict = "pass" if passed and design.passable(look) else "fail" if failed and not passed else "undecided"
+    return Decision(mean, lo, hi, se, n, c, verdict,
+                    mde(mean, lo, hi, se, higher_is_better, c, design.t_beta(n, c, df)) / _c4(df or n - 1)
+                    * MDE_SAFETY)
+
+
+@lru_cache(maxsize=1024)
+def _c4(df: float) -> float:
+    """E[s] / sigma for a variance estimate with df degrees of freedom: the reported MDE divides by it (an MDE from
+    the observed standard error would otherwise be too small on average when df is small)."""
+    if df <= 0:
+        return 1.0
+    return math.exp(0.5 * math.log(2 / df) + math.lgamma((df + 1) / 2) - math.lgamma(df / 2))
 
 
 def mde(mean, lo, hi, se, higher_is_better: bool, c: float, t_beta: float):
     """Minimum detectable distance from the threshold with power 1 - beta at this n: the tested side's half-width
-    (skew-widened, so not always c * se) plus t_beta standard errors widened in the same proportion. Works on
-    arrays (the calibration bench)."""
+    (skew-widened, so not always c * se) plus t_beta standard errors widened in the same proportion (decide divides
+    it by c4(df), E[s] / sigma, and widens it by MDE_SAFETY). Works on arrays (the calibration bench)."""
     half = (mean - lo) if higher_is_better else (hi - mean)
     return half * (1 + t_beta / c) if c > 0 else half + t_beta * se
 
@@ -338,3 +504,64 @@ def decide_binary(outcomes, threshold: float, higher_is_better: bool, design: De
     se = math.sqrt(max(mean * (1 - mean), 0.25 / max(n, 1)) / max(n, 1))
     c = design.z_boundary(look)
     return Decision(mean, lo, hi, se, n, c, verdict, (c + z(1 - design.beta)) * se)
+
+
+# ------------------------------------------------------------------------------------------------- tails
+@lru_cache(maxsize=256)
+def tail_boundaries(looks: tuple[int, ...], share: float, alpha: float, kind: str = "pocock",
+                    gamma: float = -2.0) -> tuple[int, ...]:
+    """For each look, the largest count of windows beyond the bound that still passes "share of such windows <
+    `share`" (-1: no count can pass yet). Exact for independent windows: the count's distribution at the threshold
+    share is carried from look to look on the paths not yet passed (binomial increments), and each look's pass
+    boundary is the largest count whose probability of passing by then stays within spent(n_k / N)."""
+    from scipy import stats as st
+
+    cap = looks[-1]
+    alive = np.zeros(cap + 1)
+    alive[0] = 1.0
+    passed, prev, out = 0.0, 0, []
+    for n in looks:
+        step = st.binom.pmf(np.arange(n - prev + 1), n - prev, share)
+        alive = np.convolve(alive, step)[: cap + 1]
+        budget = spent(n / cap, alpha, kind, gamma) - passed
+        cum = np.cumsum(alive)
+        c = int(np.searchsorted(cum, budget * (1 + 1e-12), side="right")) - 1
+        if c >= 0:
+            passed += float(cum[c])
+            alive[: c + 1] = 0.0
+        out.append(c)
+        prev = n
+    return tuple(out)
+
+
+def decide_tail(beyond, share: float, design: Design, look: int) -> Decision:
+    """Test "the share of windows beyond the bound is below `share`" on 0/1 per-window outcomes at one look: PASS
+    when the count is at most the look's exact boundary (`tail_boundaries`), FAIL when the Clopper-Pearson lower bound
+    at the look's level is above the share, otherwise undecided. The MDE is how far below the threshold the true
+    share must be to pass at the cap with probability 1 - beta."""
+    from scipy import stats as st
+
+    v = np.asarray(beyond, dtype=np.float64)
+    n, k = int(v.size), int(v.sum())
+    bounds = tail_boundaries(design.looks, share, design.alpha, design.kind, design.gamma)
+    c_pass = bounds[look] if n == design.looks[look] else -1
+    z_k = design.z_boundary(look)
+    tail = _phi(-z_k) if math.isfinite(z_k) else 0.0
+    lo = 0.0 if k == 0 else float(st.beta.ppf(tail, k, n - k + 1))
+    hi = 1.0 if k == n else float(st.beta.ppf(1 - tail, k + 1, n - k))
+    verdict = "pass" if k <= c_pass else "fail" if lo > share else "undecided"
+    c_cap = bounds[-1]
+    # the share s1 at which P(count at the cap <= its boundary) = 1 - beta: the MDE is share - s1
+    s1 = 0.0 if c_cap < 0 else float(_solve_share(c_cap, design.cap, 1 - design.beta))
+    mean = k / n if n else float("nan")
+    return Decision(mean, lo, hi, math.sqrt(max(mean * (1 - mean), 0.25 / max(n, 1)) / max(n, 1)), n, z_k, verdict,
+                    share - s1 if c_cap >= 0 else math.inf)
+
+
+def _solve_share(c: int, n: int, power: float) -> float:
+    from scipy import optimize
+    from scipy import stats as st
+
+    if st.binom.cdf(c, n, 1e-12) < power:
+        return 0.0
+    return optimize.brentq(lambda p: st.binom.cdf(c, n, p) - power, 1e-12, 1 - 1e-12)

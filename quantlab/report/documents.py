@@ -82,8 +82,11 @@ def check_line(c: dict) -> str:
     ci = c.get("ci") or []
     interval = f" [{fmt(ci[0])}, {fmt(ci[1])}]" if len(ci) == 2 else ""
     mde = f", MDE {c['mde']:.3g} {c.get('mde_unit', '')}".rstrip() if c.get("mde") is not None else ""
+    docs = ""
+    if c.get("clusters") is not None and c.get("icc") is not None:
+        docs = f", {c['clusters']} documents, ICC {c['icc']:.2f}, design effect {c['design_effect']:.2f}"
     return (f"{c['metric']} = {fmt(c['value'])}{interval} vs {c['op']} {c['threshold']:g}: {c.get('verdict', '')}"
-            f" (margin {c['margin']:+.4g}{mde}, {c.get('n', 0)} windows)")
+            f" (margin {c['margin']:+.4g}{mde}, {c.get('n', 0)} windows{docs})")
 
 
 def console_table(doc: dict) -> str:

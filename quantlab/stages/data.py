@@ -7,10 +7,20 @@ and an evaluation part.
 
 Documents are joined with "\n\n" and tokenized as one text, in chunks of about a million characters cut at
 whitespace (the tokenizer's leading special tokens once, at the start), and cut into non-overlapping windows of
-seq_len tokens (the tail is dropped). Reading stops as soon as the requested windows exist: the evaluation's first
-max_windows windows; calibration draws num_samples windows at random (seeded) from the first pool_windows windows.
-So a multi-GB corpus costs memory for the windows used, not for the file. With prefix_token=eos|bos each window is
-that token followed by seq_len - 1 text tokens.
+seq_len tokens (the tail is dropped). Reading stops as soon as the pool exists: calibration draws num_samples windows
+at random (seeded) from the first pool_windows windows; evaluation keeps max_windows windows of its first
+pool_windows, in the look order below. So a multi-GB corpus costs memory for the pool, not for the file. With
+prefix_token=eos|bos each window is that token followed by seq_len - 1 text tokens.
+
+Documents (evaluation). Records (JSON Lines, JSON array, CSV / TSV, Parquet, dataset rows) and pydoc topics are
+documents; plain text is cut at blank lines; with doc_separator a line of plain text (or a record's whole text) that
+fully matches the regular expression starts a new document (WikiText: its ' = Title = ' article headings). A window
+belongs to the document that holds most of its text tokens (windows straddle documents; ties go to the earlier
+one); the document of a token is found from the tokenizer's character offsets, so the tokens are exactly those of
+the joined text. The look order: window k of the order comes from the document furthest below its quota k n_d / N
+(ties by a seeded document order; each document's windows in a seeded random order), so every prefix holds each
+document's windows in proportion to its size, within one: an early look is a small version of the whole pool
+(proportional stratified sampling), and the cap keeps the first max_windows of that order.
 """
 from __future__ import annotations
 
@@ -19,9 +29,12 @@ import csv
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 from quantlab import costs
 from quantlab.artifacts import ArtifactStore
@@ -55,7 +68,11 @@ class Role:
 
     def needed(self, cfg: DataConfig) -> int | None:
         """Windows the text must give before reading can stop (None: read to the end)."""
-        return max(cfg.pool_windows, cfg.num_samples) if self.sampled else cfg.max_windows
+        if self.sampled:
+            return max(cfg.pool_windows, cfg.num_samples)
+        if cfg.pool_windows is None or cfg.max_windows is None:
+            return None
+        return max(cfg.pool_windows, cfg.max_windows)
 
 
 CALIB = Role("calib", "train", sampled=True)
@@ -65,12 +82,20 @@ EVAL = Role("eval", "test", sampled=False)
 @dataclass
 class TokenSet:
     """Token windows of one role: tokens [n_windows, seq_len] int64, the artifact's fingerprint and its build
-    info (source, windows, characters read)."""
+    info (source, windows, characters read). Evaluation sets also hold, per window in the stored (look) order, its
+    document (`docs`, numbered in text order) and its index among the text's windows (`positions`); the documents'
+    labels are info["documents"]["labels"] (document number as a string -> label)."""
 
     role: str  # calib | eval
     fingerprint: str
     tokens: object  # torch.LongTensor [n_windows, seq_len]
     info: dict
+    docs: object = None  # numpy int64 [n_windows] (evaluation)
+    positions: object = None  # numpy int64 [n_windows] (evaluation)
+
+    def doc_label(self, doc: int) -> str:
+        """A document's short label (pydoc topic, record number, first heading or line)."""
+        return (self.info.get("documents") or {}).get("labels", {}).get(str(int(doc)), f"document {int(doc)}")
 
     @property
     def num_windows(self) -> int:
@@ -84,14 +109,21 @@ class TokenSet:
 
 
 # --------------------------------------------------------------------------------------------- sources
-def _pydoc_docs(role: Role) -> tuple[list[str], str]:
+def _pydoc_names(role: Role) -> list[str]:
     from pydoc_data.topics import topics
 
     def in_calib(name: str) -> bool:
         return hashlib.sha1(name.encode()).digest()[0] < int(256 * PYDOC_CALIB_SHARE)
 
-    names = [n for n in sorted(topics) if in_calib(n) == role.sampled]
-    return [topics[n].strip() for n in names], f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
+    return [n for n in sorted(topics) if in_calib(n) == role.sampled]
+
+
+def _pydoc_docs(role: Role) -> Iterator[tuple[str, str]]:
+    """(topic text, topic name) of the role's part of pydoc_data.topics, in name order."""
+    from pydoc_data.topics import topics
+
+    for name in _pydoc_names(role):
+        yield topics[name].strip(), name
 
 
 def file_format(cfg: DataConfig, knob: str) -> str:
@@ -167,7 +199,7 @@ def _record_text(obj, where: str, cfg: DataConfig, knob: str) -> str:
     return obj[cfg.text_field]
 
 
-def _jsonl_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+def _jsonl_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[tuple[str, str]]:
     for number, line in _lines(path, knob):
         if not line.strip():
             continue
@@ -176,10 +208,10 @@ def _jsonl_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
         except (json.JSONDecodeError, RecursionError) as exc:
             msg = getattr(exc, "msg", "nesting too deep")
             raise QuantlabError(f"{path} line {number} is not JSON ({msg})", fix="one JSON object per line") from None
-        yield _record_text(obj, f"{path} line {number}", cfg, knob)
+        yield _record_text(obj, f"{path} line {number}", cfg, knob), f"line {number}"
 
 
-def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[tuple[str, str]]:
     """A .json file: JSON Lines (what datasets' to_json writes) or one JSON array of records."""
     with open(path, "rb") as f:
         first = f.read(4096).lstrip()[:1]
@@ -201,10 +233,10 @@ def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
     if not isinstance(records, list):
         raise QuantlabError(f"{path} is JSON but not an array of records", fix="give a list of objects or JSON Lines")
     for i, obj in enumerate(records):
-        yield _record_text(obj, f"{path} record {i}", cfg, knob)
+        yield _record_text(obj, f"{path} record {i}", cfg, knob), f"record {i}"
 
 
-def _csv_docs(path: Path, cfg: DataConfig, knob: str, delimiter: str) -> Iterator[str]:
+def _csv_docs(path: Path, cfg: DataConfig, knob: str, delimiter: str) -> Iterator[tuple[str, str]]:
     csv.field_size_limit(1 << 30)
     rows = csv.reader((line + "\n" for _, line in _lines(path, knob)), delimiter=delimiter)
     header = next(rows, None)
@@ -212,12 +244,12 @@ def _csv_docs(path: Path, cfg: DataConfig, knob: str, delimiter: str) -> Iterato
         raise QuantlabError(f"{path} has no column {cfg.text_field!r} (columns: {header})",
                             fix=f"set {knob}.text_field to the column that holds the text")
     column = header.index(cfg.text_field)
-    for row in rows:
+    for number, row in enumerate(rows, 1):
         if len(row) > column and row[column]:
-            yield row[column]
+            yield row[column], f"row {number}"
 
 
-def _parquet_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
+def _parquet_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[tuple[str, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -232,13 +264,15 @@ def _parquet_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[str]:
     if cfg.text_field not in handle.schema_arrow.names:
         raise QuantlabError(f"{path} has no column {cfg.text_field!r} (columns: {handle.schema_arrow.names})",
                             fix=f"set {knob}.text_field to the column that holds the text")
+    number = 0
     for batch in handle.iter_batches(columns=[cfg.text_field], batch_size=256):
         for value in batch.column(0).to_pylist():
             if isinstance(value, str):
-                yield value
+                yield value, f"row {number}"
+            number += 1
 
 
-def _dataset_docs(cfg: DataConfig, role: Role, knob: str) -> tuple[Iterator[str], str]:
+def _dataset_docs(cfg: DataConfig, role: Role, knob: str) -> tuple[Iterator[tuple[str, str]], str]:
     try:
         import datasets
     except ImportError:
@@ -256,20 +290,23 @@ def _dataset_docs(cfg: DataConfig, role: Role, knob: str) -> tuple[Iterator[str]
     if cfg.text_field not in ds.column_names:
         raise QuantlabError(f"dataset {cfg.dataset} has no column {cfg.text_field!r} (columns: {ds.column_names})",
                             fix=f"set {knob}.text_field")
-    return (row[cfg.text_field] for row in ds), f"datasets:{cfg.dataset}/{cfg.dataset_config}:{split}"
+    rows = ((row[cfg.text_field], f"row {i}") for i, row in enumerate(ds))
+    return rows, f"datasets:{cfg.dataset}/{cfg.dataset_config}:{split}"
 
 
 @dataclass
 class Source:
     """Where a role's text comes from: its identity (hashed without holding the text), a description, and a fresh
-    stream of its documents on each call of docs()."""
+    stream of its documents on each call of docs(): (text, label) records, or for plain text consecutive pieces of
+    the one text (label None)."""
 
     knob: str
     description: str
     identity: dict
-    docs: object  # () -> Iterator[str]
+    docs: object  # () -> Iterator[tuple[str, str | None]]
     length: int  # characters or bytes of the whole source (cost estimates)
     plain: bool = False  # docs() yields consecutive pieces of one text (no "\n\n" between them)
+    rule: str = "records"  # how the text is cut into documents (before doc_separator)
 
 
 def source(cfg: DataConfig, role: Role) -> Source:
@@ -279,7 +316,8 @@ def source(cfg: DataConfig, role: Role) -> Source:
         path = Path(cfg.path).expanduser()
         _check_file(path, knob)
         fmt = file_format(cfg, knob)
-        readers = {"text": lambda: _utf8_chunks(path, knob), "jsonl": lambda: _jsonl_docs(path, cfg, knob),
+        readers = {"text": lambda: ((c, None) for c in _utf8_chunks(path, knob)),
+                   "jsonl": lambda: _jsonl_docs(path, cfg, knob),
                    "json": lambda: _json_docs(path, cfg, knob), "csv": lambda: _csv_docs(path, cfg, knob, ","),
                    "tsv": lambda: _csv_docs(path, cfg, knob, "\t"), "parquet": lambda: _parquet_docs(path, cfg, knob)}
         sha = hashlib.sha256()
@@ -290,28 +328,120 @@ def source(cfg: DataConfig, role: Role) -> Source:
         identity = {"text": sha.hexdigest()} if fmt == "text" else {"file": sha.hexdigest(), "format": fmt,
                                                                      "field": cfg.text_field}
         if fmt == "text":
-            return Source(knob, str(path), identity, readers[fmt], path.stat().st_size, plain=True)
+            return Source(knob, str(path), identity, readers[fmt], path.stat().st_size, plain=True,
+                          rule="blank lines")
         return Source(knob, f"{path} ({fmt})", identity, readers[fmt], path.stat().st_size)
     if cfg.dataset:
         _, desc = _dataset_docs(cfg, role, knob)  # fails now if the dataset is not here
         return Source(knob, desc, {"dataset": desc}, lambda: _dataset_docs(cfg, role, knob)[0], 0)
-    docs, desc = _pydoc_docs(role)
-    text = "\n\n".join(docs)
-    return Source(knob, desc, {"text": hashlib.sha256(text.encode()).hexdigest()}, lambda: iter([text]), len(text))
+    from pydoc_data.topics import topics
+
+    names = _pydoc_names(role)
+    text = "\n\n".join(topics[n].strip() for n in names)
+    desc = f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
+    return Source(knob, desc, {"text": hashlib.sha256(text.encode()).hexdigest()}, lambda: _pydoc_docs(role),
+                  len(text), rule="pydoc topics")
 
 
-def _text_pieces(src: Source) -> Iterator[str]:
-    r"""The source as one text (documents joined with "\n\n"), in pieces of about CHUNK_CHARS cut at whitespace."""
-    buffer, first = "", True
-    for doc in src.docs():
-        if not src.plain:
-            doc = doc if first else "\n\n" + doc
+@dataclass
+class Documents:
+    """Where the documents of a text start (character offsets into the joined text) and their labels; filled while
+    the text is read."""
+
+    rule: str
+    starts: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+
+    def add(self, offset: int, label: str) -> None:
+        """A document starts at this character offset."""
+        self.starts.append(offset)
+        self.labels.append(label)
+
+
+def _snippet(text: str) -> str:
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    return line if len(line) <= 60 else line[:57] + "..."
+
+
+def _separator(cfg: DataConfig, knob: str):
+    if not cfg.doc_separator:
+        return None
+    try:
+        return re.compile(cfg.doc_separator)
+    except re.error as exc:
+        raise QuantlabError(f"{knob}.doc_separator={cfg.doc_separator!r} is not a regular expression ({exc})",
+                            fix="give a Python regular expression matching the line that starts a document, "
+                                "e.g. '^ = [^=].* = $' for WikiText's article headings") from None
+
+
+def _line_stream(chunks) -> Iterator[str]:
+    pending = ""
+    for chunk in chunks:
+        parts = (pending + chunk).split("\n")
+        pending = parts.pop()
+        for line in parts:
+            yield line + "\n"
+    if pending:
+        yield pending
+
+
+def _plain_parts(chunks, rx) -> Iterator[tuple[str, str | None]]:
+    r"""Plain text as (part, label if the part starts a document): a document starts at a line fully matching rx,
+    or without rx at the first non-blank line after a blank one, once the current document has text (leading blank
+    lines belong to the first document). Labels are a document's first non-blank line. Lines keep their "\n"."""
+    lines, size, label, has_text, blank_before, started = [], 0, None, False, True, False
+    for line in _line_stream(chunks):
+        body = line.rstrip("\r\n")
+        blank = not body.strip()
+        boundary = (rx.fullmatch(body) is not None) if rx else (blank_before and not blank)
+        if (boundary and has_text) or size >= CHUNK_CHARS:
+            yield "".join(lines), (None if started else label or "(blank)")
+            started = not (boundary and has_text)
+            if not started:
+                label, has_text = None, False
+            lines, size = [], 0
+        if not blank and label is None:
+            label = _snippet(line)
+        has_text = has_text or not blank
+        blank_before = blank
+        lines.append(line)
+        size += len(line)
+    if lines:
+        yield "".join(lines), (None if started else label or "(blank)")
+
+
+def _parts(src: Source, rx) -> Iterator[tuple[str, str | None]]:
+    r"""The source's text as (part, label if the part starts a document); the parts joined are the text (records
+    joined with "\n\n")."""
+    if src.plain:
+        yield from _plain_parts((c for c, _ in src.docs()), rx)
+        return
+    first = True
+    for text, label in src.docs():
+        starts = first or rx is None or rx.fullmatch(text.rstrip("\r\n")) is not None
+        part = text if first else "\n\n" + text
+        yield part, (f"{label}: {_snippet(text)}" if starts else None)
         first = False
-        buffer += doc
+
+
+def _text_pieces(src: Source, docs: Documents | None = None, rx=None, cut_at_docs: bool = False) -> Iterator[str]:
+    r"""The source as one text (documents joined with "\n\n"), in pieces of about CHUNK_CHARS cut at whitespace.
+    With docs, the documents' start offsets and labels are recorded in it as the text is read; cut_at_docs also ends
+    a piece where a document starts (for tokenizers without character offsets)."""
+    buffer, emitted = "", 0
+    for part, label in _parts(src, rx):
+        if label is not None and docs is not None:
+            if cut_at_docs and buffer:
+                yield buffer
+                emitted += len(buffer)
+                buffer = ""
+            docs.add(emitted + len(buffer), label)
+        buffer += part
         while len(buffer) >= CHUNK_CHARS:
             cut = max(buffer.rfind("\n", 0, CHUNK_CHARS), buffer.rfind(" ", 0, CHUNK_CHARS))
             cut = cut if cut > CHUNK_CHARS // 2 else CHUNK_CHARS
             yield buffer[:cut]
+            emitted += cut
             buffer = buffer[cut:]
     if buffer:
         yield buffer
@@ -340,16 +470,23 @@ def key(cfg: DataConfig, role: Role, model_fp: str, store: ArtifactStore) -> Dat
     source is checked first: a missing, empty, binary or unknown-format file or an unavailable dataset is
     exit 2."""
     src = source(cfg, role)
+    if not role.sampled:
+        _separator(cfg, role.name)  # a bad regular expression is exit 2 before anything is read
     recipe = _recipe(cfg, role)
     identity = src.identity.get("text") or src.identity
     return DataKey(store.key("data", role=role.name, text=identity, model=model_fp, recipe=recipe), src,
                    src.description, recipe)
 
 
+ORDER = "quota-1"  # the evaluation's look order (module docstring); part of the eval data key
+
+
 def _recipe(cfg: DataConfig, role: Role) -> dict:
     recipe = {"seq_len": cfg.seq_len, "seed": cfg.seed, "count": role.count(cfg), "split": cfg.split}
     if role.sampled:
         recipe["pool"] = cfg.pool_windows  # calibration draws from the first pool_windows windows (was: all)
+    else:  # evaluation: documents and the stratified look order (was: the first max_windows windows in text order)
+        recipe.update(order=ORDER, pool=cfg.pool_windows, doc_separator=cfg.doc_separator)
     if cfg.prefix_token:
         recipe["prefix_token"] = cfg.prefix_token
     return recipe
@@ -365,21 +502,66 @@ def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
     return int(token_id)
 
 
-def tokenize_windows(src: Source, tokenizer, width: int, needed: int | None, leading: list[int]):
-    """(ids of full windows, their count, characters read, whether the text ended): tokenizes piece by piece and
-    stops once `needed` windows of `width` tokens exist (None: the whole text)."""
+def tokenize_windows(src: Source, tokenizer, width: int, needed: int | None, leading: list[int],
+                     docs: Documents | None = None, rx=None):
+    """(ids of full windows, their count, characters read, whether the text ended, document of each kept token or
+    None): tokenizes piece by piece and stops once `needed` windows of `width` tokens exist (None: the whole text).
+    With docs, every token gets the document holding its first character (the tokenizer's offsets; a tokenizer
+    without offsets gets pieces cut at document starts instead)."""
     ids = list(leading)
+    fast = docs is not None and bool(getattr(tokenizer, "is_fast", False))
+    token_docs = [np.zeros(len(leading), dtype=np.int64)] if docs is not None else None
     chars, ended = 0, True
-    for piece in _text_pieces(src):
+    for piece in _text_pieces(src, docs, rx, cut_at_docs=docs is not None and not fast):
+        offset = chars
         chars += len(piece)
-        ids.extend(tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"])
+        enc = tokenizer(piece, add_special_tokens=False, verbose=False, return_offsets_mapping=fast)
+        ids.extend(enc["input_ids"])
+        if docs is not None:
+            starts = np.asarray(docs.starts, dtype=np.int64)
+            at = offset + (np.asarray([o[0] for o in enc["offset_mapping"]], dtype=np.int64) if fast
+                           else np.zeros(len(enc["input_ids"]), dtype=np.int64))
+            token_docs.append(np.maximum(np.searchsorted(starts, at, side="right") - 1, 0))
         if needed is not None and len(ids) >= (needed + 1) * width:
             ended = False
             break
     n_full = len(ids) // width
     if needed is not None:
         n_full = min(n_full, needed)
-    return ids[: n_full * width], n_full, chars, ended
+    doc_of = np.concatenate(token_docs)[: n_full * width] if docs is not None else None
+    return ids[: n_full * width], n_full, chars, ended, doc_of
+
+
+def window_documents(token_docs: np.ndarray, n_windows: int, width: int) -> np.ndarray:
+    """The document of each window: the one holding most of its text tokens (ties: the earlier document)."""
+    out = np.empty(n_windows, dtype=np.int64)
+    for w in range(n_windows):
+        values, counts = np.unique(token_docs[w * width:(w + 1) * width], return_counts=True)
+        out[w] = values[np.argmax(counts)]  # unique is sorted: argmax takes the first (earlier) of equal counts
+    return out
+
+
+def look_order(window_docs, seed: int) -> np.ndarray:
+    """Indices of the windows in the evaluation's look order, proportional to every document's size in every prefix:
+    window k goes to the document furthest below its quota k * n_d / N (ties: a seeded document order), each
+    document's windows taken in a seeded random order. Every prefix then holds each document's share of the windows
+    within one window (the quota property). Deterministic in (document layout, seed)."""
+    d = np.asarray(window_docs, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    names, inverse, sizes = np.unique(d, return_inverse=True, return_counts=True)
+    rank = rng.permutation(names.size).astype(np.float64)
+    queues = [np.flatnonzero(inverse == g) for g in range(names.size)]
+    queues = [q[rng.permutation(q.size)] for q in queues]
+    taken = np.zeros(names.size, dtype=np.int64)
+    share = sizes / d.size
+    out = np.empty(d.size, dtype=np.int64)
+    for k in range(d.size):
+        deficit = np.where(taken < sizes, (k + 1) * share - taken, -np.inf)
+        best = np.flatnonzero(deficit >= deficit.max() - 1e-12)
+        g = best[np.argmin(rank[best])]
+        out[k] = queues[g][taken[g]]
+        taken[g] += 1
+    return out
 
 
 def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, vocab: int | None = None) -> dict:
@@ -391,7 +573,10 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, voc
     prefix = _prefix_id(cfg, tokenizer, knob)
     width = cfg.seq_len - (prefix is not None)  # text tokens per window
     leading = [] if prefix is not None else tokenizer("", add_special_tokens=True)["input_ids"]
-    ids, n_full, chars, ended = tokenize_windows(ident.source, tokenizer, width, role.needed(cfg), leading)
+    docs = None if role.sampled else Documents(ident.source.rule if not cfg.doc_separator else
+                                               f"lines matching {cfg.doc_separator!r}")
+    ids, n_full, chars, ended, token_docs = tokenize_windows(ident.source, tokenizer, width, role.needed(cfg),
+                                                             leading, docs, _separator(cfg, knob))
     if chars == 0:
         raise QuantlabError(f"the {knob} text from {ident.description} is empty",
                             fix=f"give {knob} data with text in it")
@@ -408,7 +593,8 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, voc
         if n_full < 1:
             raise QuantlabError(f"evaluation text has {len(ids)} tokens, shorter than one window of "
                                 f"eval.seq_len={cfg.seq_len}", fix="give more text or lower eval.seq_len")
-        pick = torch.arange(min(n_full, count or n_full))
+        window_docs = window_documents(token_docs, n_full, width)
+        pick = torch.from_numpy(look_order(window_docs, cfg.seed)[: min(n_full, count or n_full)])
     flat = torch.tensor(ids, dtype=torch.long).view(n_full, width)
     if prefix is not None:
         flat = torch.cat([torch.full((n_full, 1), prefix, dtype=torch.long), flat], dim=1)
@@ -417,20 +603,34 @@ def build(cfg: DataConfig, role: Role, ident: DataKey, tokenizer, out: Path, voc
         raise QuantlabError(f"the tokenizer produced token id {int(tokens.max())}, but the model's embedding has only "
                             f"{vocab} rows: the tokenizer does not belong to this model",
                             fix="save the model's own tokenizer beside it (tokenizer.save_pretrained)")
-    save_file({"tokens": tokens}, str(out / "tokens.safetensors"))
-    return {"source": ident.description, "identity": ident.source.identity, "text_chars": chars,
+    tensors = {"tokens": tokens}
+    info = {"source": ident.description, "identity": ident.source.identity, "text_chars": chars,
             "chars_read": chars, "text_ended": ended, "full_windows": n_full, "windows": int(pick.numel()),
             "seq_len": cfg.seq_len}
+    if not role.sampled:
+        kept = window_docs[pick.numpy()]
+        tensors.update(docs=torch.from_numpy(kept), positions=pick.clone())
+        info["documents"] = {"rule": docs.rule, "assignment": "the document holding most of a window's text tokens",
+                             "order": ORDER, "in_pool": int(np.unique(window_docs).size),
+                             "in_set": int(np.unique(kept).size),
+                             "labels": {str(int(g)): docs.labels[int(g)] for g in np.unique(kept)}}
+    save_file(tensors, str(out / "tokens.safetensors"))
+    return info
 
 
 def load(art, role: Role) -> TokenSet:
     """The TokenSet stored in a data artifact (tokens.safetensors and its build info)."""
     from safetensors.torch import load_file
 
-    tokens = load_file(str(art.path / "tokens.safetensors"))["tokens"]
+    tensors = load_file(str(art.path / "tokens.safetensors"))
+    tokens = tensors["tokens"]
     info = dict(art.info)
-    log.info("%s data: %s, %d windows x %d tokens", role.name, info["source"], tokens.shape[0], tokens.shape[1])
-    return TokenSet(role.name, art.fingerprint, tokens, info)
+    docs = tensors["docs"].numpy() if "docs" in tensors else None
+    positions = tensors["positions"].numpy() if "positions" in tensors else None
+    log.info("%s data: %s, %d windows x %d tokens%s", role.name, info["source"], tokens.shape[0], tokens.shape[1],
+             f" from {info['documents']['in_set']} documents ({info['documents']['rule']})" if docs is not None
+             else "")
+    return TokenSet(role.name, art.fingerprint, tokens, info, docs, positions)
 
 
 def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore,

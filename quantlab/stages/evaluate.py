@@ -9,7 +9,8 @@ Windows are taken in blocks of gate.statistical.look_windows (one block per look
   positions at a time (no [positions x vocabulary] tensor for a whole window is ever held). Cached per
   (candidate, reference, block), so a rerun, a stricter gate or a later search reads them back.
 - The evaluation step runs the looks: after each block the gate's checks are decided (quantlab.gate.checks) and it
-  stops once none is undecided, or at the cap.
+  stops once none is undecided or one has failed, or at the cap. The windows are stored in the data stage's look
+  order (spread across the text's documents) and carry their documents, the clusters of every interval.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class EvalResult:
     forward_batches: int = 0
     seconds: float = 0.0
     computed_now: bool = False  # some block was evaluated in this run (not read from the store)
+    warnings: list = field(default_factory=list)  # about the evaluation text (quantlab.gate.checks.check_documents)
 
 
 def _oom_guard(fn, batch_size: int):
@@ -334,9 +336,11 @@ class CandidateBlocks:
         blocks = [self.block(b) for b in range(math.ceil(n / self.ref.block_windows))]
         keys = list(POSITION_FIELDS) + (["router_agree"] if "router_agree" in blocks[0] else [])
         arrays = {k: np.concatenate([blk[k].numpy() for blk in blocks])[:n] for k in keys}
-        targets = self.ref.evalset.tokens[:n, 1:].numpy().astype(np.int32)
+        evalset = self.ref.evalset
+        targets = evalset.tokens[:n, 1:].numpy().astype(np.int32)
         gen = (blocks[0]["gen_ref"], blocks[0]["gen"]) if "gen" in blocks[0] else None
-        return Windows(arrays, targets), gen
+        labels = (evalset.info.get("documents") or {}).get("labels")
+        return Windows(arrays, targets, evalset.docs, labels, evalset.positions), gen
 
     def close(self) -> None:
         """Release the candidate engine if one was built."""
@@ -364,6 +368,9 @@ def result_of(name: str, w: Windows, gen: dict | None) -> EvalResult:
     windows = {"n_pred": int(w.t), "nll_reference": w.per_window("nll_ref").tolist(),
                "nll_candidate": w.per_window("nll_cand").tolist(), "dnll": w.per_window("dnll").tolist(),
                "top1_agreement": w.per_window("agree").tolist(), "kl_mean": w.per_window("kl").tolist()}
+    if w.docs is not None:  # the windows' documents (the gate's clusters) and their indices in the text
+        windows["document"] = [int(x) for x in w.docs]
+        windows["position"] = [int(x) for x in w.positions] if w.positions is not None else None
     positions = {"top1_agreement": (w.a["argmax_cand"] == w.a["argmax_ref"]).mean(0).tolist(),
                  "kl_mean": w.a["kl"].mean(0).tolist(), "dp_true": w.a["dp_true"].mean(0).tolist()}
     return EvalResult(name, metrics.summarize(w, gen), windows, positions, metrics.behaviour(w), metrics.buckets(w),
@@ -493,15 +500,25 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         evalset = r.value("data:eval")
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len) if is_main else None
         design = gate_checks.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
+        if is_main:
+            design = gate_checks.with_tails(design, thresholds)
+        warnings = []
+        if is_main:  # exit 2 before any evaluation: one document, or a tail check this text cannot pass
+            gate_checks.check_tails(thresholds, design, f"the evaluation text gives {evalset.num_windows}")
+            warnings = gate_checks.check_documents(evalset.docs, design)
+        for line in warnings:
+            log.warning("warning: %s", line)
         fixed = None if is_main else r.value(main).design.looks[r.value(main).look]
         log.info("evaluate: %s vs reference, looks of %d windows up to %d x %d tokens", spec.name,
                  cfg.gate.statistical.look_windows, design.cap, evalset.seq_len)
         cand = blocks(r)
         try:
-            return run_sequential(cand, thresholds, design, _prompts(evalset, cfg.eval),
-                                  load_tokenizer(r.value("prepare")), fixed)
+            result = run_sequential(cand, thresholds, design, _prompts(evalset, cfg.eval),
+                                    load_tokenizer(r.value("prepare")), fixed)
         finally:
             cand.close()
+        result.warnings = warnings
+        return result
 
     def probe(r) -> tuple[str, str]:
         ref = ReferenceOutputs(ctx, r.key("reference"), None, None)
