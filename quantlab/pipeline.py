@@ -13,7 +13,7 @@ from quantlab import preflight
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import Config
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
-from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK
+from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK, QuantlabError
 from quantlab.gate import checks as gate_checks
 from quantlab.graph import Executor, steps_for, targets
 from quantlab.rundir import RunResult, finish, link, set_aside_previous
@@ -61,6 +61,7 @@ class _Run:
         self.steps = steps_for(ctx)
         self.executor = Executor(ctx, self.steps)
         self.provenance: dict = {}
+        self.data_warnings: list[str] = []  # what the evaluation text makes of the verdict (calibration overlap)
 
     def execute(self) -> RunResult:
         ref = self.inputs()
@@ -95,6 +96,8 @@ class _Run:
         calib, evalset = run.value("data:calib"), run.value("data:eval")
         record["data"] = {"calib": {"fingerprint": calib.fingerprint, **calib.info},
                           "eval": {"fingerprint": evalset.fingerprint, **evalset.info}}
+        if ctx.engine.runs != "model" and not ctx.external_checkpoint:  # made elsewhere: not our calibration
+            self.data_warnings = _calibration_overlap(cfg, calib, evalset, record)
         self.provenance = {"model_fingerprint": ref.fingerprint, "eval_fingerprint": evalset.fingerprint,
                            "calib_fingerprint": calib.fingerprint, "versions": versions(), "git_commit": git_commit(),
                            "device": ctx.device.describe(), "dtype": str(ctx.dtype).removeprefix("torch."),
@@ -129,7 +132,7 @@ class _Run:
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
         verdict = gate_checks.verdict(cfg.gate, thresholds, result.checks, result.design, result.look,
                                       result.windows, result.metrics, self.provenance)
-        verdict["warnings"] = result.warnings + verdict["warnings"]  # the evaluation text's (few documents)
+        verdict["warnings"] = self.data_warnings + result.warnings + verdict["warnings"]  # the text's, then the gate's
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
         layers = run.values["audit"].layers if "audit" in run.values else []
@@ -166,6 +169,31 @@ class _Run:
         self.record["stage_seconds"] = run.seconds
         self.record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
         return finish(self.run_dir, self.record, self.start, code, what, doc)
+
+
+OVERLAP_WARN = 0.005  # share of evaluation tokens in text the calibration windows also hold
+
+
+def _calibration_overlap(cfg: Config, calib, evalset, record: dict) -> list[str]:
+    """Evaluation text the calibration saw makes every verdict optimistic: measured as copied token runs
+    (quantlab.stages.data.overlap), recorded in run.json, a warning for the console and the reports, or exit 2
+    before any evaluation under gate.refuse_calibration_overlap (gate=strict)."""
+    from quantlab.stages.data import overlap
+
+    found = overlap(calib, evalset)
+    record["data"]["overlap"] = {k: v for k, v in found.items() if k != "windows"} | {"windows": len(found["windows"])}
+    if not found["same_source"] and found["share"] < OVERLAP_WARN:
+        return []
+    what = ("the evaluation text is the calibration text" if found["same_source"] else
+            "the evaluation text repeats text the calibration saw")
+    text = (f"{what}: {found['share']:.1%} of the evaluation tokens ({len(found['windows'])} of "
+            f"{found['eval_windows']} windows) lie in runs of {found['ngram']} tokens that calibration windows "
+            "also hold, so the verdict is optimistic")
+    fix = "evaluate on text calibration did not see (eval.path / eval.dataset apart from calib.*)"
+    if cfg.gate.refuse_calibration_overlap:
+        raise QuantlabError(text, fix=fix + ", or set gate.refuse_calibration_overlap=false to accept it")
+    log.warning("quantlab: %s (fix: %s)", text, fix)
+    return [f"{text}. Fix: {fix}."]
 
 
 def _expert_coverage(quantize: dict | None) -> dict | None:

@@ -429,3 +429,39 @@ def test_disk_full_while_writing_an_artifact_is_exit_2_and_a_rerun_with_room_wor
         assert "reusing" in again.stderr or "reusing" in again.stdout  # what was finished before is kept
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_records_in_a_text_file_are_refused_and_a_bom_is_not_text(tmp_path):
+    """JSON Lines saved under a text suffix would feed its JSON syntax to calibration: refused with the format to
+    set; a UTF-8 byte-order mark in front of JSON Lines (some editors and exporters write one) is not a parse error."""
+    from quantlab.config import CalibConfig
+
+    rows = "".join(json.dumps({"text": f"record number {i} says hello"}) + "\n" for i in range(50))
+    named_as_text = tmp_path / "records.txt"
+    named_as_text.write_text(rows)
+    with pytest.raises(QuantlabError, match="has a text suffix but holds JSON Lines") as err:
+        data.source(CalibConfig(path=str(named_as_text)), data.CALIB)
+    assert "calib.format=jsonl" in str(err.value)
+    forced = data.read_text(CalibConfig(path=str(named_as_text), format="jsonl"), data.CALIB)[0]
+    assert forced.startswith("record number 0 says hello") and "{" not in forced
+    with_bom = tmp_path / "records.json"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + rows.encode())
+    text = data.read_text(CalibConfig(path=str(with_bom)), data.CALIB)[0]
+    assert text.startswith("record number 0 says hello") and "\ufeff" not in text
+
+
+def test_evaluating_on_the_calibration_text_is_said_and_refused_under_strict(tiny_llama, tmp_path):
+    """eval.path == calib.path (or text calibration saw) made an optimistic verdict without a word: the run warns
+    in the console and the report, and gate=strict refuses it before any evaluation."""
+    from pydoc_data.topics import topics
+
+    text = tmp_path / "same.txt"
+    text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:40]))
+    common = [f"model.path={tiny_llama}", f"calib.path={text}", f"eval.path={text}", *FAST]
+    res = run_cli(["+precision=fp8", *common, "stop_after=data"], cwd=tmp_path, cache=tmp_path / "c")
+    assert res.returncode == 0, res.stdout[-1500:] + res.stderr[-2500:]
+    assert "the evaluation text is the calibration text" in res.stderr + res.stdout
+    strict = run_cli(["+precision=fp8", *common, "gate=strict"], cwd=tmp_path,
+                     cache=tmp_path / "c")
+    _exit2(strict, "the evaluation text is the calibration text")
+    assert "refuse_calibration_overlap=false" in strict.stderr

@@ -41,3 +41,6 @@ class GateConfig:
     statistical: StatisticalGate = field(default_factory=StatisticalGate)
     baseline: Optional[str] = None  # metrics.json of an earlier release: regression check
     baseline_alpha: float = 0.05
+    # evaluation text that calibration also saw makes the verdict optimistic: a warning by default, a refusal (exit 2
+    # before any evaluation) when true (gate=strict)
+    refuse_calibration_overlap: bool = False

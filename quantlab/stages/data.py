@@ -159,7 +159,7 @@ def _check_file(path: Path, knob: str) -> None:
 
 def _utf8_chunks(path: Path, knob: str) -> Iterator[str]:
     """The file decoded as UTF-8, a megabyte at a time; a bad byte is reported with its offset."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    decoder = codecs.getincrementaldecoder("utf-8-sig")("strict")  # a leading byte-order mark is not text
     offset = 0
     with open(path, "rb") as f:
         while True:
@@ -191,6 +191,29 @@ def _lines(path: Path, knob: str) -> Iterator[tuple[int, str]]:
         yield number + 1, pending
 
 
+def _refuse_records_named_as_text(path: Path, knob: str) -> None:
+    """A text suffix on a file of records (JSON Lines, a JSON array) would turn their JSON syntax into calibration or
+    evaluation text: the first non-blank line is read, and a JSON object or array there is refused with the fix."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16).removeprefix(codecs.BOM_UTF8)
+    line = next((x.strip() for x in head.split(b"\n") if x.strip()), b"")
+    if line[:1] not in (b"{", b"["):
+        return
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        if line[:1] != b"[":
+            return
+        obj = []  # a JSON array spread over lines
+    if isinstance(obj, dict) or line[:1] == b"[":
+        kind = "JSON Lines" if isinstance(obj, dict) else "a JSON array"
+        fields = f" (fields {sorted(obj)[:6]})" if isinstance(obj, dict) else ""
+        fmt = "jsonl" if isinstance(obj, dict) else "json"
+        raise QuantlabError(f"{knob}.path {path.name} has a text suffix but holds {kind}{fields}: read as text, its "
+                            "JSON syntax would become the text", fix=f"set {knob}.format={fmt} (and "
+                            f"{knob}.text_field), or {knob}.format=text if it really is plain text")
+
+
 def _record_text(obj, where: str, cfg: DataConfig, knob: str) -> str:
     if not isinstance(obj, dict) or not isinstance(obj.get(cfg.text_field), str):
         fields = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
@@ -214,7 +237,7 @@ def _jsonl_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[tuple[str, s
 def _json_docs(path: Path, cfg: DataConfig, knob: str) -> Iterator[tuple[str, str]]:
     """A .json file: JSON Lines (what datasets' to_json writes) or one JSON array of records."""
     with open(path, "rb") as f:
-        first = f.read(4096).lstrip()[:1]
+        first = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()[:1]
     if first == b"{":
         yield from _jsonl_docs(path, cfg, knob)
         return
@@ -316,6 +339,8 @@ def source(cfg: DataConfig, role: Role) -> Source:
         path = Path(cfg.path).expanduser()
         _check_file(path, knob)
         fmt = file_format(cfg, knob)
+        if fmt == "text" and cfg.format == "auto":
+            _refuse_records_named_as_text(path, knob)
         readers = {"text": lambda: ((c, None) for c in _utf8_chunks(path, knob)),
                    "jsonl": lambda: _jsonl_docs(path, cfg, knob),
                    "json": lambda: _json_docs(path, cfg, knob), "csv": lambda: _csv_docs(path, cfg, knob, ","),
@@ -631,6 +656,36 @@ def load(art, role: Role) -> TokenSet:
              f" from {info['documents']['in_set']} documents ({info['documents']['rule']})" if docs is not None
              else "")
     return TokenSet(role.name, art.fingerprint, tokens, info, docs, positions)
+
+
+OVERLAP_NGRAM = 32  # tokens: a shared run this long is copied text, not a common phrase
+
+
+def overlap(calib: TokenSet, evalset: TokenSet, n: int = OVERLAP_NGRAM) -> dict:
+    """How much of the evaluation text the calibration windows contain: the share of evaluation positions covered
+    by a run of n tokens that also occurs in a calibration window, and the windows with any such run. Exact (token
+    runs, not documents or paths), so the same file under two names and overlapping records are found alike."""
+    import numpy as np
+
+    def grams(tokens) -> list:
+        rows = np.ascontiguousarray(tokens.numpy()) if hasattr(tokens, "numpy") else np.asarray(tokens)
+        if rows.shape[1] < n:
+            return []
+        views = np.lib.stride_tricks.sliding_window_view(rows, n, axis=1)
+        return [[r.tobytes() for r in row] for row in views]
+
+    seen = {g for row in grams(calib.tokens) for g in row}
+    covered = np.zeros(tuple(evalset.tokens.shape), dtype=bool)
+    windows = []
+    for w, row in enumerate(grams(evalset.tokens)):
+        hits = [i for i, g in enumerate(row) if g in seen]
+        for i in hits:
+            covered[w, i: i + n] = True
+        if hits:
+            windows.append(w)
+    share = float(covered.mean()) if covered.size else 0.0
+    return {"ngram": n, "share": share, "windows": windows, "eval_windows": int(evalset.num_windows),
+            "same_source": calib.info.get("identity") == evalset.info.get("identity")}
 
 
 def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore,
