@@ -84,8 +84,7 @@ class DataConfig:
 
 @dataclass
 class CalibConfig(DataConfig):
-    """Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches.
-    Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches."""
+    """Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches."""
     num_samples: int = 32
     pool_windows: int = 1024  # windows are drawn from the first pool_windows windows (reading stops there)
     batch_size: int = 16  # AWQ-lite searches per batch: fewer, larger batches calibrate faster (bench/RESULTS.md)
@@ -93,9 +92,10 @@ class CalibConfig(DataConfig):
 
 @dataclass
 class EvalConfig(DataConfig):
+    """Evaluation data and settings: windows up to the cap, batch size, greedy generations, attribution."""
+
     # cap on evaluation windows (the sequential gate stops earlier once every check is decided); null = every
     # full window of the text
-    """Evaluation data and settings: windows up to the cap, batch size, greedy generations, attribution."""
     max_windows: Optional[int] = 64
     # the windows are chosen from the first pool_windows windows of the text (null: all of it), spread across its
     # documents in a seeded, stratified order, so every look is a small version of the whole pool (reading stops there)
