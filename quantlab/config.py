@@ -157,8 +157,7 @@ STAGES = ("prepare", "data", "quantize", "export", "build", "evaluate")  # stop_
 
 @dataclass
 class Config:
-    """The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node).
-    The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node)."""
+    """The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = MISSING  # a config group: precision=fp8 (or +precision=fp8)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
