@@ -229,11 +229,16 @@ w = torch.randint(-8, 8, (n, k), generator=g).float() * scale.repeat_interleave(
 packed = pack_int4_in_uint8(w, scale, block)
 pqs, bias = torch.rand(k, generator=g) + 0.5, torch.randn(n, generator=g)
 plain = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16)
-kept = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16, packed_kernel=True)
-out["layer"] = {"no_dequantized_copy": kept.weight is None, "packed_bytes": kept.weight_packed.numel(),
-                "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
-                "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
-                                for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
+out["layers"] = {}
+for layout in ("export", "k8"):
+    kept = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16, packed_kernel=True)
+    repacked = kept.repack() if layout == "k8" else False
+    out["layers"][layout] = {
+        "layout": kept.layout, "repacked": repacked, "no_dequantized_copy": kept.weight is None,
+        "packed_bytes": kept.weight_packed.numel() * kept.weight_packed.element_size(),
+        "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
+        "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
+                        for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
 
 # q/k/v and gate|up of a tiny Llama fused into one packed GEMM each: the same logits, bit for bit
 import transformers
@@ -253,7 +258,10 @@ for name, m in list(model.named_modules()):
                 qlayers.Int4AwqLinear(codes, scales, 64, smooth, None, torch.float32, packed_kernel=True))
 engine = HFModelEngine(model, Limits(64, 64, 2), "int4")
 tokens = torch.randint(0, 500, (2, 9), generator=g)
+export_logits = engine.logits(tokens)
+repacked = qlayers.repack_int4(model)
 before = engine.logits(tokens)
+out["repack"] = {"layers": repacked, "max_diff": float((before - export_logits).abs().max())}
 out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
                  "mlp": type(model.model.layers[0].mlp).__name__,
                  "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
@@ -278,8 +286,13 @@ def test_int4_kernels_under_triton_interpreter():
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
     bad = [c for c in out["kernels"] if not c["ok"]]
-    assert not bad and len(out["kernels"]) == 16, bad
-    layer = out["layer"]
-    assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
-    assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert not bad, bad
+    ran = {c["kernel"] for c in out["kernels"]}
+    assert ran == {"gemv", "gemm", "k8", "k8_dot_nosplit", "k8_fma_split", "k8_dense"}, ran
+    assert any(c["kernel"] == "k8" and c["rows"] == 1 and c["k"] == 512 for c in out["kernels"])  # split over K
+    for layout, layer in out["layers"].items():
+        assert layer["layout"] == layout and layer["repacked"] == (layout == "k8"), layer
+        assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
+        assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert out["repack"]["layers"] == 14 and out["repack"]["max_diff"] < 1e-3, out["repack"]  # fp32: order only
     assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]
