@@ -673,7 +673,7 @@ def check_other_formats(args) -> dict:
     return out
 
 
-SWEEP_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # q|k|v, o, gate|up, down
+SWEEP_SHAPES = ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))  # gate|up, down, q|k|v, o: most bytes first
 L2_BYTES = 200e6  # weights cycled per timing: more than the H200's L2 holds
 
 

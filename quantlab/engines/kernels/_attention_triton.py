@@ -4,25 +4,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _e4m3(u, scale_ptr, dtype: tl.constexpr):
-    """E4M3 bytes (uint8) -> value * scale rounded to the compute dtype, as the cache's read dequantizes them: by
-    bit operations (exact; no fp8 type, no subnormal fp32 intermediate) - normal codes rebias the exponent by 120,
-    subnormal ones are m * 2^-9, S.1111.111 is NaN."""
+def _e4m3(u, scale_ptr):
+    """E4M3 bytes (uint8) -> value * scale in fp32 (the caller rounds it to the compute dtype, as the cache's read
+    does): by bit operations (exact; no fp8 type, no subnormal fp32 intermediate) - normal codes rebias the exponent
+    by 120, subnormal ones are m * 2^-9, S.1111.111 is NaN."""
     b = u.to(tl.int32)
     mag = b & 0x7F
     normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
     value = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
     value = tl.where(mag == 0x7F, float("nan"), value)
     value = tl.where((b & 0x80) != 0, -value, value)
-    return (value * tl.load(scale_ptr)).to(dtype)
+    return value * tl.load(scale_ptr)
 
 
 @triton.jit
-def _tile(ptr, offsets, mask, scale_ptr, dtype: tl.constexpr, FP8: tl.constexpr):
-    """A [BLOCK_L, BLOCK_D] tile of one K or V head (masked positions read as 0), in the compute dtype."""
+def _tile(ptr, offsets, mask, scale_ptr, out_ptr, FP8: tl.constexpr):
+    """A [BLOCK_L, BLOCK_D] tile of one K or V head (masked positions read as 0), in the compute dtype (out's)."""
     t = tl.load(ptr + offsets, mask=mask, other=0)
     if FP8:
-        return _e4m3(t, scale_ptr, dtype)
+        t = _e4m3(t, scale_ptr).to(out_ptr.dtype.element_ty)
     return t
 
 
@@ -40,7 +40,7 @@ def decode_attention(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, ks_ptr, vs_ptr, ws_ptr
     (sequence, KV head) combines them in split order and writes o [B, 1, Hq, D]."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    dtype: tl.constexpr = o_ptr.dtype.element_ty
+    dtype = o_ptr.dtype.element_ty
     b = bh // HKV
     h = bh % HKV
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -60,8 +60,8 @@ def decode_attention(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, ks_ptr, vs_ptr, ws_ptr
         rl = (split * TILES + t) * BLOCK_L + tl.arange(0, BLOCK_L)
         valid = (rl >= start) & (rl <= pos)
         kv_mask = valid[:, None] & mask_d[None, :]
-        k = _tile(k_ptr, k_base + rl[:, None] * stride_kl + rd[None, :], kv_mask, ks_ptr, dtype, FP8)
-        v = _tile(v_ptr, v_base + rl[:, None] * stride_vl + rd[None, :], kv_mask, vs_ptr, dtype, FP8)
+        k = _tile(k_ptr, k_base + rl[:, None] * stride_kl + rd[None, :], kv_mask, ks_ptr, o_ptr, FP8)
+        v = _tile(v_ptr, v_base + rl[:, None] * stride_vl + rd[None, :], kv_mask, vs_ptr, o_ptr, FP8)
         if F32_DOT:  # fp32 models, and Triton's interpreter: exact fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:

@@ -108,8 +108,8 @@ def _k8_dequant(wv, j: tl.constexpr, s, FAST: tl.constexpr):
     bits) is representable, so the subtraction is too. 4 shifts per word, then per weight one LOP3 and one FFMA.
     Otherwise (fp32 scales): q exactly as (u | 2^23 bits) - (2^23 + 8), times s rounded once, as the reference."""
     if FAST:
-        P: tl.constexpr = 12 + 4 * ((0b10110010 >> j) & 1)  # 16 for j in (1, 4, 5, 7), 12 otherwise
-        SHIFT: tl.constexpr = P - 4 * j
+        P = 12 + 4 * ((0b10110010 >> j) & 1)  # constexpr: 16 for j in (1, 4, 5, 7), 12 otherwise
+        SHIFT = P - 4 * j
         if SHIFT > 0:
             ws = wv << SHIFT
         elif SHIFT < 0:
@@ -125,12 +125,12 @@ def _k8_dequant(wv, j: tl.constexpr, s, FAST: tl.constexpr):
 
 
 @triton.jit
-def _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, dtype: tl.constexpr, HAS_PQS: tl.constexpr):
-    """x[rm, k0:k0+16] (times pre_quant_scale, rounded to the compute dtype as the reference rounds it)."""
+def _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, HAS_PQS: tl.constexpr):
+    """x[rm, k0:k0+16] (times pre_quant_scale, rounded to the compute dtype - x's - as the reference rounds it)."""
     ri = tl.arange(0, 16)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + ri)[None, :], mask=(rm < M)[:, None], other=0.0)
     if HAS_PQS:
-        x = (x.to(tl.float32) * tl.load(p_ptr + k0 + ri).to(tl.float32)[None, :]).to(dtype)
+        x = (x.to(tl.float32) * tl.load(p_ptr + k0 + ri).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
     return x
 
 
@@ -150,7 +150,7 @@ def w4a16_k8(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    dtype = y_ptr.dtype.element_ty
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     ri = tl.arange(0, 16)
@@ -171,7 +171,7 @@ def w4a16_k8(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm
                 if (j * 16) % GROUP == 0:  # the group changes (every block when GROUP >= 128)
                     s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + rn, mask=mask_n, other=0.0).to(tl.float32)
                 w = _k8_dequant(wv, j, s, FAST).to(dtype)
-                x = _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, dtype, HAS_PQS)
+                x = _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, HAS_PQS)
                 if DOT:
                     if F32_DOT:  # fp32 models, and Triton's interpreter: exact products, fp32 accumulation
                         acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -182,15 +182,16 @@ def w4a16_k8(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm
     if DOT:
         out = acc
         rows = rm[None, :]
+        cols = rn[:, None]
         mask = mask_n[:, None] & mask_m[None, :]
     else:
         out = tl.sum(acc, axis=1)
         rows = pid_m
+        cols = rn
         mask = mask_n
     if SPLIT_K == 1:
-        tl.store(y_ptr + rows * stride_ym + (rn[:, None] if DOT else rn), out.to(dtype), mask=mask)
+        tl.store(y_ptr + rows * stride_ym + cols, out.to(dtype), mask=mask)
     else:
-        cols = rn[:, None] if DOT else rn
         tl.store(ws_ptr + (pid_k * M + rows) * N + cols, out, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so (CUTLASS's semaphore)
         tile = pid_n * tl.num_programs(2) + pid_m
@@ -210,7 +211,7 @@ def w4a16_k8_dequant(w_ptr, s_ptr, out_ptr, N, stride_sg, K: tl.constexpr, GROUP
     (q * s rounded once: the values the GEMV multiplies), for large-row GEMMs done by torch."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     ri = tl.arange(0, 16)

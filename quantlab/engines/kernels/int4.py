@@ -423,22 +423,21 @@ def k8_usable(device: str, dtype: torch.dtype) -> bool:
 
 def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
     """k8 configurations bench/decode.py --check times for M rows of an [N, K] layer (all valid for K): for one row
-    tensor-core and FMA modes over tile widths, steps and splits around the default's; for more, tensor-core tiles
-    of the row class."""
+    tensor-core and FMA modes over tile widths and steps, each at the default's split and the next larger; for more
+    rows, tensor-core tiles of the row class."""
     sms = _sm_count("cuda") if torch.cuda.is_available() else 132
     out = []
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = -(-m // block_m)
-    shapes = ([(True, 64, 2, 4), (True, 128, 1, 4), (True, 32, 2, 4), (True, 64, 4, 8), (False, 64, 2, 4),
-               (False, 32, 4, 4), (False, 128, 1, 8)] if m == 1 else
-              [(True, 64, 2, 4), (True, 128, 1, 8), (True, 32, 2, 4)])
+    shapes = ([(True, 64, 2, 4), (True, 128, 1, 4), (True, 32, 2, 4), (False, 64, 2, 4), (False, 32, 4, 4)]
+              if m == 1 else [(True, 64, 2, 4), (True, 128, 1, 8), (True, 32, 2, 4)])
     for dot, block_n, bpi, warps in shapes:
         splits = valid_splits(k, bpi)
         if not splits:
             continue
         tiles = -(-n // block_n) * (m_tiles if dot else m)
         base = splits.index(default_split(tiles, k, bpi, sms))
-        for i in sorted({max(0, base - 1), base, min(len(splits) - 1, base + 1)}):
+        for i in sorted({base, min(len(splits) - 1, base + 1)}):  # the default's split and the next larger
             out.append({"dot": dot, "block_n": block_n, "block_m": block_m if dot else 1, "bpi": bpi,
                         "split_k": splits[i], "num_warps": warps, "num_stages": 2})
     return out
