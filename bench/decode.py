@@ -15,10 +15,18 @@ device-to-device copy bandwidth measured here) and the fraction of it reached; r
 --check (each part in its own try block; a failure prints its traceback and the rest still runs):
   families  every family of tests/conftest.py's matrix (tiny random models, fp32): the captured cached decode's
             ids vs the full-sequence re-run, each captured step's logits vs the full forward's
-  int4      the Triton W4A16 kernels vs their exact arithmetic at the 8B shapes (bf16 and fp16)
+  int4      the Triton W4A16 kernels (k8 split-K and dense paths, and the export-layout fallback) vs their exact
+            arithmetic at the 8B shapes (bf16 and fp16)
+  attention the Triton decode-attention kernel vs its reference (bf16 and fp16; windows, soft-capping, E4M3 cache)
+            and its time at the 8B shape against the grouped sdpa it replaces
   fp8_kv    the E4M3 cache layer vs fp8_qdq, bit for bit
   model     per precision: the captured (and compiled) 8B decode vs the uncaptured one (ids) and vs the full
             forward (logits), and a profile of one uncaptured step (kernels by time)
+Before the precisions are timed, the W4A16 sweep (--no-sweep skips it) times k8 configurations per decode shape
+(CUDA-graph replays over weight copies larger than L2), checks each one's output against the exact arithmetic,
+installs the fastest valid one in quantlab.engines.kernels.int4.CONFIGS for this run and prints the table to commit.
+After each precision's batches, the attribution times batch 1 again with the decode-attention kernel off and with
+the layers uncompiled (no inductor fusion), one switch at a time, in this process.
 Sections are skipped (and reported so) once --budget-s is spent.
 """
 from __future__ import annotations
@@ -219,6 +227,7 @@ def check_compiled_tiny() -> dict:
     t = time.time()
     compiled = engine.greedy(prompts, 12)
     out = {"ids_equal": bool(torch.equal(plain, compiled)), "seconds": time.time() - t, **engine.decode_info}
+    out["ok"] = out["ids_equal"] and bool(out.get("compiled")) and (bool(out.get("captured")) or DEVICE != "cuda")
     say(f"  compiled tiny llama: ids_equal={out['ids_equal']} compiled={out['compiled']} "
         f"captured={out['captured']} ({out['seconds']:.1f}s) compile_error={out['compile_error']}")
     return out
@@ -234,9 +243,78 @@ def check_int4() -> dict:
     rows = int4.check("cuda", dtypes=(torch.bfloat16, torch.float16), cases=cases)
     bad = [r for r in rows if not r["ok"]]
     for r in rows:
-        say(f"  w4a16 {r['kernel']:4s} M={r['rows']:3d} N={r['n']:5d} K={r['k']:5d} g={r['group']} "
-            f"{r['dtype']:8s} worst/bound={r['worst']:.3f} {'ok' if r['ok'] else 'BAD'}")
-    return {"ok": not bad, "cases": rows}
+        say(f"  w4a16 {r['kernel']:14s} M={r['rows']:3d} N={r['n']:5d} K={r['k']:5d} g={r['group']} "
+            f"{r['dtype']:8s} worst/bound={r['worst']:.3f} {'ok' if r['ok'] else 'BAD'}"
+            + (f" error={r['error']}" if "error" in r else ""))
+    usable = {str(d): int4.k8_usable("cuda", d) for d in (torch.bfloat16, torch.float16)}
+    say(f"  k8 kernels usable (startup check): {usable}")
+    return {"ok": not bad, "k8_usable": usable, "cases": rows}
+
+
+def check_attention() -> dict:
+    from quantlab.engines import decode
+    from quantlab.engines.kernels import attention
+
+    rows = attention.check("cuda", dtypes=(torch.bfloat16, torch.float16))
+    for r in rows:
+        say(f"  decode attention case={r['case']} {r['dtype']:8s} splits={r.get('splits')} err={r['err']:.1e} "
+            f"{'ok' if r['ok'] else 'BAD'}" + (f" error={r['error']}" if "error" in r else ""))
+    out = {"ok": all(r["ok"] for r in rows), "cases": rows,
+           "usable_bf16": decode._kernel_usable(torch.device("cuda"), torch.bfloat16)}
+    out["timing"] = time_attention()
+    return out
+
+
+def time_attention(batch: int = 1, length: int = 546, layers: int = 32) -> dict:
+    """The kernel vs the grouped sdpa it replaces (boolean mask, as the decode built it), at the 8B shape: one call per
+    layer over `layers` caches (more than L2), replayed from a CUDA graph; per-layer microseconds."""
+    from quantlab.engines import decode
+    from quantlab.engines.kernels import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d = LLAMA_8B["num_attention_heads"], LLAMA_8B["num_key_value_heads"], 128
+    q = torch.randn(batch, hq, 1, d, device="cuda", generator=g).bfloat16()
+    caches = [(torch.randn(batch, hkv, length, d, device="cuda", generator=g).bfloat16(),
+               torch.randn(batch, hkv, length, d, device="cuda", generator=g).bfloat16()) for _ in range(layers)]
+    pos = torch.tensor([length - 2], device="cuda")
+    mask = (torch.arange(length, device="cuda") <= pos)[None, None, None]
+
+    def kernel():
+        for k, v in caches:
+            torch.ops.quantlab.decode_attention(q, k, v, pos, None, None, d ** -0.5, 0, 0.0)
+
+    def sdpa():
+        for k, v in caches:
+            decode._grouped_sdpa(None, q, k, v, mask, scaling=d ** -0.5)
+
+    out = {}
+    for name, fn in (("triton_us", kernel), ("grouped_sdpa_us", sdpa)):
+        out[name] = graph_us(fn) / layers
+    out["splits"] = attention.plan(batch, hkv, length, "cuda")[1]
+    kv_bytes = 2 * batch * hkv * length * d * 2
+    say(f"  decode attention at B={batch}, {length} positions: triton {out['triton_us']:.1f} us/layer "
+        f"({kv_bytes / out['triton_us'] / 1e3:.0f} GB/s), grouped sdpa {out['grouped_sdpa_us']:.1f} us/layer; "
+        f"{out['splits']} splits")
+    return out
+
+
+def graph_us(fn, replays: int = 20) -> float:
+    """Microseconds of one fn() replayed from a CUDA graph (after an eager warm-up: compilation, workspaces)."""
+    fn()
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    sync()
+    us = cuda_ms(graph.replay, replays) * 1e3
+    del graph
+    return us
 
 
 def check_fp8_kv() -> dict:
@@ -271,7 +349,7 @@ def calibrate(model, tokens: int = 128) -> dict:
     stats, hooks = {}, []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}":
-            def hook(m, args, out, name=name):
+            def hook(_module, args, out, name=name):
                 x = args[0].detach().float().reshape(-1, args[0].shape[-1])
                 stats[name] = {"amax": float(x.abs().max()), "channel": x.abs().amax(0),
                                "out_amax": float(out.detach().abs().max())}
@@ -595,59 +673,177 @@ def check_other_formats(args) -> dict:
     return out
 
 
-def _sweep_shape(rows: int, n: int, k: int, g) -> dict:
+SWEEP_SHAPES = ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))  # gate|up, down, q|k|v, o: most bytes first
+L2_BYTES = 200e6  # weights cycled per timing: more than the H200's L2 holds
+
+
+def _sweep_tensors(rows: int, n: int, k: int, g) -> dict:
+    """Random codes / scales / inputs for one shape, copies enough to exceed L2, and the exact answer with its bound
+    for the first copy (every configuration's output is checked against it)."""
     from quantlab.engines.kernels import int4
 
+    copies = max(1, math.ceil(L2_BYTES / (n * k / 2)))
     x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
-    packed = torch.randint(0, 256, (n // 2, k), device="cuda", dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n, k // GROUP, device="cuda", generator=g) * 0.01).bfloat16()
-    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
-    bf16_us = cuda_ms(functools.partial(torch.nn.functional.linear, x, w), 50) * 1e3
-    w8, one = w.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
-    x8 = qlayers._pad_rows(x.to(torch.float8_e4m3fn), 16)
-    fp8_us = cuda_ms(functools.partial(torch._scaled_mm, x8, w8.t(), scale_a=one, scale_b=one,
-                                       out_dtype=torch.bfloat16), 50) * 1e3
-    gemv = rows <= int4.GEMV_MAX_ROWS
-    if gemv:
-        configs = [({"GROUPS": gr, "BLOCK_N2": bn, "num_warps": 4}, asm)
-                   for gr in (1, 2, 4) for bn in (8, 16) for asm in (False, True)]
-    else:
-        configs = [({"BLOCK_M": 16, "BLOCK_N2": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}, False)
-                   for bn in (16, 32, 64) for bk in (64, 128)]
+    layers = []
+    for _ in range(copies):
+        packed = torch.randint(0, 256, (n // 2, k), device="cuda", dtype=torch.uint8, generator=g)
+        scales = (torch.rand(n, k // GROUP, device="cuda", generator=g) * 0.01 + 1e-3).bfloat16()
+        layers.append((packed, scales, *int4.repack(packed, scales)))
+    w = int4.k8_dequantized(layers[0][2], layers[0][3], GROUP)
+    exact, bound = int4._bound(x, w, torch.bfloat16)
+    return {"x": x, "layers": layers, "exact": exact, "bound": bound, "copies": copies}
+
+
+def _dense_us(x: torch.Tensor, n: int, k: int, g, fp8: bool) -> float:
+    """bf16 (cuBLAS) or FP8 (torch._scaled_mm, unit scales) microseconds per call, over copies larger than L2."""
+    copies = max(1, math.ceil(L2_BYTES / (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies)]
+    if not fp8:
+        return graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
+    w8s = [w.to(torch.float8_e4m3fn) for w in ws]
+    ws.clear()
+    one, x8 = torch.ones((), device="cuda"), qlayers._pad_rows(x.to(torch.float8_e4m3fn), 16)
+    return graph_us(lambda: [torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                             for w8 in w8s]) / len(w8s)
+
+
+def _sweep_refs(n: int, k: int, t: dict, g) -> dict:
+    """bf16 and FP8 at the same shape, and the int4 kernels before this change (export layout) and the k8
+    default, microseconds per call."""
+    from quantlab.engines.kernels import int4
+
+    x, layers = t["x"], t["layers"]
+    out = {"bf16_us": _dense_us(x, n, k, g, False), "fp8_us": _dense_us(x, n, k, g, True)}
+    out["export_us"] = graph_us(lambda: [int4.w4a16_launch(x, p, s, None, GROUP) for p, s, _, _ in layers]) / len(
+        layers)
+    out["k8_default_us"] = graph_us(lambda: [int4.k8_launch(x, q, st, None, GROUP) for _, _, q, st in layers]) / len(
+        layers)
+    return out
+
+
+def _sweep_config(t: dict, cfg: dict) -> tuple[float, str | None]:
+    """(microseconds per call, None) of one k8 configuration, or (inf, why) when it fails or is not exact."""
+    from quantlab.engines.kernels import int4
+
+    x, layers = t["x"], t["layers"]
+    try:
+        y = int4.k8_launch(x, layers[0][2], layers[0][3], None, GROUP, config=cfg)
+        sync()
+        worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
+        if not worst <= 1.0:
+            return float("inf"), f"inexact: worst/bound {worst:.2f}"
+        return graph_us(lambda: [int4.k8_launch(x, q, st, None, GROUP, config=cfg) for _, _, q, st in layers]) / len(
+            layers), None
+    except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or run is skipped
+        int4.reset_counters()
+        return float("inf"), f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def _sweep_shape(rows: int, n: int, k: int, g, bandwidth: float, deadline: float) -> dict:
+    from quantlab.engines.kernels import int4
+
+    t = _sweep_tensors(rows, n, k, g)
+    out = _sweep_refs(n, k, t, g)
     timings = []
-    for cfg, asm in configs:
-        fn = functools.partial(int4.w4a16_launch, x, packed, scales, None, GROUP, config=cfg, gemv=gemv, asm=asm)
-        cfg = {**cfg, "asm": asm}
-        try:
-            fn()
-            timings.append((cuda_ms(fn, 50) * 1e3, cfg))
-        except Exception as exc:  # noqa: BLE001
-            timings.append((float("inf"), {**cfg, "error": str(exc)[:100]}))
-    default_us = cuda_ms(functools.partial(int4.w4a16_launch, x, packed, scales, None, GROUP), 50) * 1e3
-    best = min(timings, key=lambda t: t[0])
+    for cfg in int4.sweep_candidates(rows, n, k):
+        if time.time() > deadline:
+            timings.append({"us": float("inf"), **cfg, "error": "not timed: --sweep-s spent"})
+            continue
+        us, why = _sweep_config(t, cfg)
+        timings.append({"us": round(us, 2), **cfg, **({"error": why} if why else {})})
+    best = min(timings, key=lambda r: r["us"]) if timings else {"us": float("inf")}
     int4_bytes = n * k / 2 + n * k / GROUP * 2
-    return {"bf16_us": bf16_us, "fp8_us": fp8_us, "int4_default_us": default_us, "int4_best_us": best[0],
-            "best_config": best[1], "int4_best_GBps": int4_bytes / (best[0] / 1e6) / 1e9,
-            "all": [(round(t, 2), c) for t, c in timings]}
+    out.update(best_us=best["us"], all=timings, copies=t["copies"],
+               best_config={key: v for key, v in best.items() if key not in ("us", "error")},
+               best_GBps=int4_bytes / (best["us"] / 1e6) / 1e9 if math.isfinite(best["us"]) else 0.0)
+    out["best_fraction_of_copy"] = out["best_GBps"] * 1e9 / bandwidth
+    if math.isfinite(best["us"]) and best["us"] <= out["k8_default_us"]:
+        int4.CONFIGS[(int4.m_bucket(rows), n, k)] = out["best_config"]
+    return out
 
 
-def int4_sweep() -> dict:
-    """W4A16 kernel configurations at the 8B decode shapes (q|k|v and gate|up fused widths too), against bf16
-    (cuBLAS) and FP8 (torch._scaled_mm) at the same shapes."""
+def int4_sweep(bandwidth: float, deadline: float) -> dict:
+    """k8 W4A16 configurations at the 8B decode shapes (q|k|v and gate|up fused widths), each checked for exactness
+    and timed from CUDA-graph replays over weight copies larger than L2; the fastest valid one per shape is installed
+    for this run (int4.CONFIGS) and printed as the table to commit. bf16 (cuBLAS), FP8 (torch._scaled_mm) and the
+    previous int4 kernels (export layout) at the same shapes for comparison."""
+    from quantlab.engines.kernels import int4
+
+    if not int4.k8_usable("cuda", torch.bfloat16):
+        say("  k8 kernels failed their startup check: the engine runs the export-layout kernels; no sweep")
+        return {"k8_usable": False}
     out = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (1, 16):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        for n, k in SWEEP_SHAPES:
             key = f"M{rows}_N{n}_K{k}"
-            r = out[key] = _sweep_shape(rows, n, k, g)
-            say(f"  {key:18s} bf16 {r['bf16_us']:7.1f}us  fp8 {r['fp8_us']:7.1f}us  int4 default "
-                f"{r['int4_default_us']:7.1f}us  best {r['int4_best_us']:7.1f}us ({r['int4_best_GBps']:.0f} GB/s) "
-                f"{r['best_config']}")
+            r = out[key] = _sweep_shape(rows, n, k, g, bandwidth, deadline)
+            say(f"  {key:18s} bf16 {r['bf16_us']:6.1f}us fp8 {r['fp8_us']:6.1f}us | int4 export "
+                f"{r['export_us']:6.1f}us "
+                f"k8 default {r['k8_default_us']:6.1f}us best {r['best_us']:6.1f}us = {r['best_GBps']:.0f} GB/s "
+                f"({100 * r['best_fraction_of_copy']:.0f}% of copy) {r['best_config']}")
+            failed = [c for c in r["all"] if "error" in c]
+            if failed:
+                say(f"    {len(failed)} configurations skipped, e.g. {failed[0]}")
+            empty_cache()
+    table = {key: cfg for key, cfg in sorted(int4.CONFIGS.items())}
+    say("  int4.CONFIGS for this GPU (commit into quantlab/engines/kernels/int4.py):")
+    print("CONFIGS = {\n" + "".join(f"    {key}: {cfg},\n" for key, cfg in table.items()) + "}", flush=True)
+    out["configs"] = {str(key): cfg for key, cfg in table.items()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ attribution
+ATTRIBUTION = (("attention kernel off", {"attention_kernel": False}, True),
+               ("layers uncompiled (no inductor fusion)", {}, False))
+
+
+def _decode_ms(engine, args, compile_layers: bool) -> tuple[float, dict]:
+    """Batch-1 decode ms/token at the bench's context (captured), as bench_precision times it."""
+    model = engine.model
+    prompts = torch.randint(0, model.config.vocab_size, (1, args.context),
+                            generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    dec = decode.Decoder(model, engine.head, engine.captured.take, 1, args.context + args.tokens + 2,
+                         capture=DEVICE == "cuda", compile=compile_layers)
+    try:
+        dec.prefill(prompts)
+        dec.step()
+        sync()
+        start, times = dec.position, []
+        for _ in range(3):
+            dec.pos.fill_(start)
+            dec.position = start
+            times.append(cuda_ms(dec.step, args.tokens - 1))
+        return statistics.median(times), dec.describe()
+    finally:
+        dec.close()
+        empty_cache()
+
+
+def attribution(prec: str, engine, args, base_ms: float | None) -> dict:
+    """Batch 1 with one switch off at a time (decode.FEATURES, layer compilation), against the timed default."""
+    out = {"default_ms": base_ms}
+    for name, features, compile_layers in ATTRIBUTION:
+        saved = dict(decode.FEATURES)
+        decode.FEATURES.update(features)
+        try:
+            ms, info = _decode_ms(engine, args, compile_layers and args.compile)
+            out[name] = {"ms": ms, "attention": info["attention"], "compiled": info["compiled"]}
+        except Exception:  # noqa: BLE001
+            out[name] = {"error": traceback.format_exc()[-1500:]}
+        finally:
+            decode.FEATURES.clear()
+            decode.FEATURES.update(saved)
+            torch._dynamo.reset()
+            decode._COMPILED.clear()
+    parts = [f"{name} {r['ms']:.3f} ms" + (f" (+{r['ms'] - base_ms:.3f})" if base_ms else "")
+             if "ms" in r else f"{name} FAILED" for name, r in out.items() if name != "default_ms"]
+    say(f"  attribution {prec} B=1: default {base_ms or math.nan:.3f} ms; " + "; ".join(parts))
     return out
 
 
 # ------------------------------------------------------------------------------------------------ main
-def main() -> int:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="correctness checks before the bench")
     parser.add_argument("--layers", type=int, default=32)
@@ -661,53 +857,66 @@ def main() -> int:
                         help="capture the decode step without compiling its layers")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the W4A16 config sweep")
-    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting sections after this")
+    parser.add_argument("--sweep-s", type=float, default=150.0,
+                        help="time for the sweep's configurations (then each remaining shape keeps its default)")
+    parser.add_argument("--no-attribution", dest="attribution", action="store_false",
+                        help="skip timing batch 1 with each switch off")
+    parser.add_argument("--attribution-precisions", default="bf16,int4_awq,fp8,fp8_kv")
+    parser.add_argument("--budget-s", type=float, default=430.0, help="stop starting sections after this")
     parser.add_argument("--workdir", default=None, help="where the exports are written (default: /dev/shm or tmp)")
     parser.add_argument("--out", default=None, help="JSON results (default: $OUT/decode.json when OUT is set)")
     parser.add_argument("--smoke", action="store_true",
                         help="run the script's logic on the CPU with a tiny Llama (no GPU: nothing it times counts)")
     args = parser.parse_args()
-    global DEVICE
-    shape = dict(LLAMA_8B)
-    if args.smoke:
-        DEVICE = "cpu"
-        shape.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                     num_key_value_heads=2)
-        args.compile, args.sweep, args.profile = False, False, False
     args.batches = [int(b) for b in args.batches.split(",")]
     args.prefill_batches = [int(b) for b in args.prefill_batches.split(",")]
-    precisions = args.precisions.split(",")
-    out_path = args.out or (os.path.join(os.environ["OUT"], "decode.json") if os.environ.get("OUT") else None)
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("bench/decode.py needs a CUDA GPU (or --smoke)")
-        return 2
-    RESULTS["args"] = vars(args)
-    budget = args.budget_s
+    args.attribution_precisions = args.attribution_precisions.split(",")
+    return args
 
-    env = section("environment", 5, budget)(environment) or {}
-    bandwidth = env.get("copy_bandwidth_GBps", 4000) * 1e9
+
+def run_checks(args, budget: float) -> None:
+    section("check_fp8_kv", 2, budget)(check_fp8_kv)
+    if DEVICE == "cuda":
+        section("check_int4_kernels", 15, budget)(check_int4)
+        section("check_attention", 15, budget)(check_attention)
+    section("check_families", 40, budget)(check_families)
+    if args.compile:
+        section("check_compiled_tiny", 30, budget)(check_compiled_tiny)
+
+
+def export_models(args, reference, precisions: list[str], budget: float) -> tuple[dict, Path | None]:
+    quantized = [p for p in precisions if p != "bf16"]
+    if reference is None or not quantized:
+        return {}, None
+    shm = Path("/dev/shm")
+    base = args.workdir or (str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None)
+    workroot = Path(tempfile.mkdtemp(prefix="quantlab_decode_", dir=base))
+
+    def do_export():
+        stats = calibrate(reference)
+        return {k: str(v) for k, v in export_all(reference, stats, workroot, quantized).items()}
+    return section("export", 60, budget)(do_export) or {}, workroot
+
+
+def bench_one(prec: str, engine, args, bandwidth: float, reference_rows: dict | None) -> dict:
+    """The checks of one precision's model, its batches, and the batch-1 attribution."""
+    out = {}
     if args.check:
-        section("check_fp8_kv", 2, budget)(check_fp8_kv)
-        if DEVICE == "cuda":
-            section("check_int4_kernels", 15, budget)(check_int4)
-        section("check_families", 40, budget)(check_families)
-        if args.compile:
-            section("check_compiled_tiny", 30, budget)(check_compiled_tiny)
+        try:
+            out["check"] = check_model(prec, engine, args)
+        except Exception:  # noqa: BLE001
+            out["check"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+            say(f"  check {prec} FAILED\n{out['check']['error']}")
+    out.update(bench_precision(prec, engine, args, bandwidth, reference_rows))
+    if args.attribution and prec in args.attribution_precisions and elapsed() < args.budget_s - 40:
+        base = out["batches"].get(1, {}).get("decode_ms_per_token")
+        out["attribution"] = attribution(prec, engine, args, base)
+    return out
 
+
+def bench_all(args, shape: dict, precisions: list[str], bandwidth: float, budget: float) -> None:
     reference = section("build_bf16", 15, budget)(functools.partial(build_reference, args.layers, shape))
-    export_dirs: dict = {}
-    workroot = None
-    if reference is not None:
-        quantized = [p for p in precisions if p != "bf16"]
-        if quantized:
-            shm = Path("/dev/shm")
-            base = args.workdir or (str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None)
-            workroot = Path(tempfile.mkdtemp(prefix="quantlab_decode_", dir=base))
-
-            def do_export():
-                stats = calibrate(reference)
-                return {k: str(v) for k, v in export_all(reference, stats, workroot, quantized).items()}
-            export_dirs = section("export", 60, budget)(do_export) or {}
+    export_dirs, workroot = export_models(args, reference, precisions, budget)
     reference_rows = None
     for prec in precisions:
         if prec != "bf16" and prec not in export_dirs:
@@ -717,15 +926,7 @@ def main() -> int:
         def run(prec=prec, reference=reference, reference_rows=reference_rows):
             engine = engine_for(prec, reference, {k: Path(v) for k, v in export_dirs.items()})
             try:
-                out = {}
-                if args.check:
-                    try:
-                        out["check"] = check_model(prec, engine, args)
-                    except Exception:  # noqa: BLE001
-                        out["check"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
-                        say(f"  check {prec} FAILED\n{out['check']['error']}")
-                out.update(bench_precision(prec, engine, args, bandwidth, reference_rows))
-                return out
+                return bench_one(prec, engine, args, bandwidth, reference_rows)
             finally:
                 if prec != "bf16":
                     engine.close()
@@ -743,10 +944,34 @@ def main() -> int:
                 empty_cache()
     if workroot is not None:
         shutil.rmtree(workroot, ignore_errors=True)
+
+
+def main() -> int:
+    args = parse_args()
+    global DEVICE
+    shape = dict(LLAMA_8B)
+    if args.smoke:
+        DEVICE = "cpu"
+        shape.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2)
+        args.compile, args.sweep, args.profile = False, False, False
+    precisions = args.precisions.split(",")
+    out_path = args.out or (os.path.join(os.environ["OUT"], "decode.json") if os.environ.get("OUT") else None)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("bench/decode.py needs a CUDA GPU (or --smoke)")
+        return 2
+    RESULTS["args"] = vars(args)
+    budget = args.budget_s
+
+    env = section("environment", 5, budget)(environment) or {}
+    bandwidth = env.get("copy_bandwidth_GBps", 4000) * 1e9
+    if args.check:
+        run_checks(args, budget)
+    if args.sweep and DEVICE == "cuda" and "int4_awq" in precisions:
+        section("int4_sweep", 60, budget)(functools.partial(int4_sweep, bandwidth, time.time() + args.sweep_s))
+    bench_all(args, shape, precisions, bandwidth, budget)
     if args.check:
         section("check_other_formats", 40, budget + 20)(functools.partial(check_other_formats, args))
-    if args.sweep:
-        section("int4_sweep", 40, budget + 40)(int4_sweep)
 
     summary(precisions, args)
     if out_path:
@@ -754,6 +979,25 @@ def main() -> int:
         Path(out_path).write_text(json.dumps(RESULTS, indent=1, default=str))
         say(f"results -> {out_path}")
     return 0 if not RESULTS["errors"] else 1
+
+
+def summary_extras(precisions) -> None:
+    """The batch-1 attribution table and the W4A16 sweep's best kernels per shape."""
+    names = [name for name, _, _ in ATTRIBUTION]
+    rows = {p: (RESULTS["sections"].get(f"bench_{p}") or {}).get("attribution") for p in precisions}
+    if any(rows.values()):
+        print("  attribution, B=1 decode ms/token (one switch off at a time): precision | default | "
+              + " | ".join(names))
+        for p, r in rows.items():
+            if r:
+                cells = " | ".join(f"{r[n]['ms']:.3f}" if "ms" in r.get(n, {}) else "--" for n in names)
+                print(f"    {p:9s} | {r['default_ms'] or math.nan:.3f} | {cells}")
+    sweep = RESULTS["sections"].get("int4_sweep") or {}
+    for key, r in sweep.items():
+        if isinstance(r, dict) and "best_us" in r:
+            print(f"  int4 {key:18s} export {r['export_us']:6.1f}us -> k8 {r['best_us']:6.1f}us "
+                  f"({r['best_GBps']:.0f} GB/s, {100 * r['best_fraction_of_copy']:.0f}% of copy; "
+                  f"bf16 {r['bf16_us']:.1f}us, fp8 {r['fp8_us']:.1f}us)")
 
 
 def summary(precisions, args) -> None:
@@ -786,10 +1030,12 @@ def summary(precisions, args) -> None:
         met = value is not None and value >= goal
         RESULTS["targets"][name] = {"value": value, "met": met}
         print(f"  target {name:36s} {'MET ' if met else 'MISS'} ({'--' if value is None else f'{value:.2f}'})")
+    summary_extras(precisions)
     checks = {k: v for k, v in RESULTS["sections"].items() if k.startswith("check")}
     for k, v in checks.items():
-        ok = v.get("ok") if isinstance(v, dict) and "ok" in v else (
-            all(r.get("ok") for r in v.values()) if isinstance(v, dict) else None)
+        ok = None
+        if isinstance(v, dict):
+            ok = v["ok"] if "ok" in v else all(r.get("ok") for r in v.values() if isinstance(r, dict))
         print(f"  {k:24s} {'ok' if ok else 'BAD' if ok is False else '?'}")
     for p in precisions:
         c = (RESULTS["sections"].get(f"bench_{p}") or {}).get("check")

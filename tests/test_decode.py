@@ -229,11 +229,16 @@ w = torch.randint(-8, 8, (n, k), generator=g).float() * scale.repeat_interleave(
 packed = pack_int4_in_uint8(w, scale, block)
 pqs, bias = torch.rand(k, generator=g) + 0.5, torch.randn(n, generator=g)
 plain = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16)
-kept = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16, packed_kernel=True)
-out["layer"] = {"no_dequantized_copy": kept.weight is None, "packed_bytes": kept.weight_packed.numel(),
-                "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
-                "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
-                                for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
+out["layers"] = {}
+for layout in ("export", "k8"):
+    kept = qlayers.Int4AwqLinear(packed, scale, block, pqs, bias, torch.float16, packed_kernel=True)
+    repacked = kept.repack() if layout == "k8" else False
+    out["layers"][layout] = {
+        "layout": kept.layout, "repacked": repacked, "no_dequantized_copy": kept.weight is None,
+        "packed_bytes": kept.weight_packed.numel() * kept.weight_packed.element_size(),
+        "same_weights": bool(torch.equal(kept.dequantized_weight(), plain.dequantized_weight())),
+        "max_diff": max(float((kept(x).float() - plain(x).float()).abs().max())
+                        for x in (torch.randn(2, r, k, generator=g).half() for r in (1, 5)))}
 
 # q/k/v and gate|up of a tiny Llama fused into one packed GEMM each: the same logits, bit for bit
 import transformers
@@ -253,7 +258,10 @@ for name, m in list(model.named_modules()):
                 qlayers.Int4AwqLinear(codes, scales, 64, smooth, None, torch.float32, packed_kernel=True))
 engine = HFModelEngine(model, Limits(64, 64, 2), "int4")
 tokens = torch.randint(0, 500, (2, 9), generator=g)
+export_logits = engine.logits(tokens)
+repacked = qlayers.repack_int4(model)
 before = engine.logits(tokens)
+out["repack"] = {"layers": repacked, "max_diff": float((before - export_logits).abs().max())}
 out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
                  "mlp": type(model.model.layers[0].mlp).__name__,
                  "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
@@ -278,8 +286,124 @@ def test_int4_kernels_under_triton_interpreter():
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
     bad = [c for c in out["kernels"] if not c["ok"]]
-    assert not bad and len(out["kernels"]) == 16, bad
-    layer = out["layer"]
-    assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
-    assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert not bad, bad
+    ran = {c["kernel"] for c in out["kernels"]}
+    assert ran == {"gemv", "gemm", "k8", "k8_dot_nosplit", "k8_fma_split", "k8_dense"}, ran
+    assert any(c["kernel"] == "k8" and c["rows"] == 1 and c["k"] == 512 for c in out["kernels"])  # split over K
+    for layout, layer in out["layers"].items():
+        assert layer["layout"] == layout and layer["repacked"] == (layout == "k8"), layer
+        assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
+        assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
+    assert out["repack"]["layers"] == 14 and out["repack"]["max_diff"] < 1e-3, out["repack"]  # fp32: order only
     assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]
+
+
+# ------------------------------------------------------------------------------------------------ decode attention
+INTERPRETED_ATTENTION = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from transformers import AutoConfig, AutoModelForCausalLM
+from quantlab.engines import decode
+from quantlab.engines.base import Engine, Limits
+from quantlab.engines.hf import HFModelEngine
+from quantlab.engines.kernels import attention
+from quantlab.models import attn_implementation
+
+paths, exports = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+decode.COMPILE_BACKEND = "eager"
+out = {"kernel": attention.check("cpu"), "families": {}}
+prompts = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+def step_error(engine, ids):
+    # each decode step's logits (the kernel reading the whole static cache up to the position) vs the full forward
+    seq = torch.cat([prompts, ids], 1)
+    with torch.no_grad():
+        full = engine.forward(seq).logits(0, seq.shape[1])
+    dec = decode.Decoder(engine.model, engine.head, engine.captured.take, 2, seq.shape[1] + 1, capture=False)
+    worst = 0.0
+    with torch.no_grad():
+        dec._run(seq[:, :20], torch.arange(20), 20)
+        for j in range(20, seq.shape[1]):
+            dec.pos.fill_(j)
+            dec.tokens.copy_(seq[:, j:j + 1])
+            worst = max(worst, (dec._run(dec.tokens, dec.pos, dec.max_len) - full[:, j]).abs().max().item())
+    info = dec.describe()
+    dec.close()
+    return worst / max(1.0, full.abs().max().item()), info
+
+
+def compiled(engine):
+    torch._dynamo.reset()
+    decode._COMPILED.clear()
+    counters.clear()
+    dec = decode.Decoder(engine.model, engine.head, engine.captured.take, 2, 26, capture=False, compile=True)
+    dec.prefill(prompts)
+    with torch.no_grad():
+        for _ in range(3):
+            dec._step(dec.max_len, True)
+            dec.position += 1
+    ids = dec.out[:, 20:24].clone()
+    dec.close()
+    return ids, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+def run(name, engine, compile_too):
+    cached = engine.greedy(prompts, 12)
+    row = {"ids_equal": bool(torch.equal(cached, Engine.greedy(engine, prompts, 12))),
+           "paths": engine.decode_info["attention"], "kernel_modules": engine.decode_info["attention_kernel_modules"]}
+    row["step_err"], info = step_error(engine, cached)
+    row["step_paths"] = info["attention"]
+    if compile_too:
+        ids, graphs, breaks = compiled(engine)
+        row["compiled"] = {"ids_equal": bool(torch.equal(ids, cached[:, :4])), "graphs": graphs, "breaks": breaks}
+    out["families"][name] = row
+
+
+for name, path in paths.items():
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"dtype": torch.float32}
+    if implementation := attn_implementation(config.to_dict()):
+        kwargs["attn_implementation"] = implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    run(name, HFModelEngine(model, Limits(256, 256, 8), name), name in ("llama", "gemma2"))
+
+from quantlab.engines.torch_engine import TorchEngine, load_exported
+from quantlab.env import resolve_device
+device = resolve_device("cpu")
+for name, path in exports.items():
+    model, plan = load_exported(path, device, torch.float32)
+    run(name, TorchEngine(model, Limits(256, 256, 8), device, plan), True)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_decode_attention_kernel_under_triton_interpreter(family_model, exports):
+    """The Triton decode-attention kernel under Triton's interpreter, in a fresh process: against its reference
+    (GQA and MHA, sliding window, soft-capping, E4M3 cache, one split and several); then standing in for every
+    family's attention in the cached decode (sdpa and the eager Gemma 2 / 3 with their windows and soft-capping,
+    and an FP8 KV export read as E4M3 bytes): the same greedy ids as the full re-run, each step's logits equal to
+    the full forward's, the layers traced by dynamo through the op in one graph with no break."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    paths = {family: str(family_model(family)) for family in sorted(_family_configs())}
+    fp8_kv = {"fp8_kv": str(exports["fp8"])}  # the fp8 export carries kv_cache=fp8
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-c", INTERPRETED_ATTENTION, json.dumps(paths), json.dumps(fp8_kv)],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    bad = [c for c in out["kernel"] if not c["ok"]]
+    assert not bad, bad
+    assert {c["splits"] > 1 for c in out["kernel"]} == {True, False}  # the combine and the single-split store
+    for name, row in out["families"].items():
+        assert row["ids_equal"], (name, row)
+        assert row["step_err"] < 1e-5, (name, row)
+        assert row["kernel_modules"] == 2 and "triton decode attention" in row["step_paths"], (name, row)
+        if "compiled" in row:
+            assert row["compiled"] == {"ids_equal": True, "graphs": 1 + (name == "gemma2"), "breaks": {}}, (name, row)
+    assert set(out["families"]) == set(paths) | set(fp8_kv)

@@ -14,6 +14,12 @@ How it plugs into transformers without touching a modeling file:
 - FP8 KV cache (kv_cache_quant_algo=FP8): K (after RoPE) and V are stored in E4M3, quantized on write with the
   exported k_scale / v_scale and dequantized on read: bit for bit the values the full-sequence path's
   quantize-dequantize (fp8_qdq) gives, without re-quantizing the cache every step.
+- Decode steps (one token per sequence) run quantlab's Triton decode-attention kernel
+  (quantlab.engines.kernels.attention) where it applies (FEATURES["attention_kernel"], the kernel passed its check on
+  the device, the module's attention is sdpa or the eager function of a family it was tested on, and the call passes
+  nothing it does not implement): it reads the stored cache (E4M3 bytes too) up to the step's position tensor,
+  with the module's sliding window and soft-capping, so those steps build no mask and dequantize no cache. Other
+  modules and calls use the model's own attention function as above.
 - On CUDA the decode step (embedding, every layer, final norm, head, argmax, the next token and position written
   back into the step's own inputs) is captured in one CUDA graph and replayed once per token. With compile=True the
   decoder layers are compiled first (torch.compile, one compiled function per layer class: each layer is handed its
@@ -37,6 +43,11 @@ FP8_KV_PREFIX = "quantlab_fp8_kv_"  # torch_engine.ATTN_NAME: the full-sequence 
 CAPTURE_WARMUPS = 2  # eager runs of the step before capture (compilation, cuBLAS handles, allocator)
 RECOMPILE_LIMIT = 64  # compiled variants one layer class may hold (layer kinds x batch shapes x models per process)
 COMPILE_BACKEND = "inductor"  # tests trace with "eager" (dynamo alone: same graphs and guards, no code generation)
+FEATURES = {"attention_kernel": True}  # read by each Decoder at construction (bench/decode.py switches them off)
+# families whose eager attention function is softmax(scaling * q k^T, soft-capped, masked) v and nothing else (the
+# decode-attention kernel stands in for it); sdpa's is that by definition
+KERNEL_EAGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma", "gemma2", "gemma3",
+                         "mixtral", "qwen3_moe", "gpt_neox", "opt")
 
 
 class Unsupported(Exception):
@@ -57,6 +68,7 @@ class KVLayer:
         self.cache = cache
         self.keys = self.values = None
         self.is_initialized = False
+        self.kernel = False  # its module's decode steps run the decode-attention kernel (reads the stores as held)
         self.fp8 = k_scale is not None
         if self.fp8:
             self.k_scale, self.v_scale = k_scale.float().reshape(()), v_scale.float().reshape(())
@@ -84,36 +96,45 @@ class KVLayer:
             return held
         return (held.view(torch.float8_e4m3fn).float() * scale.to(held.device)).to(dtype)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write this forward's K/V at the cache's positions; return K/V of positions 0..read_length-1."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *_args, **_kwargs):
+        """Write this forward's K/V at the cache's positions; return K/V of positions 0..read_length-1 (on a
+        kernel step: the stores themselves, E4M3 bytes included, which the kernel reads up to the position)."""
         if self.keys is None:
             self.keys, self.values = self._allocate(key_states), self._allocate(value_states)
             self.is_initialized = True
         self._write(self.keys, key_states, self.k_inv if self.fp8 else None)
         self._write(self.values, value_states, self.v_inv if self.fp8 else None)
+        if self.kernel and self.cache.kernel_step:
+            return self.keys, self.values
         return (self._read(self.keys, self.k_scale if self.fp8 else None, key_states.dtype),
                 self._read(self.values, self.v_scale if self.fp8 else None, value_states.dtype))
 
     # what transformers may ask a cache layer
     def get_seq_length(self) -> int:
+        """Tokens written so far."""
         return self.cache.seen
 
     def get_max_length(self) -> int:
+        """Positions the cache holds."""
         return self.cache.max_len
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+    def get_mask_sizes(self, _query_length: int, *_args) -> tuple[int, int]:
+        """(key length, offset) of the next forward's mask."""
         return self.cache.read_length, 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        """Allocate the stores for states of this shape and dtype."""
         self.keys, self.values = self._allocate(key_states), self._allocate(value_states)
         self.is_initialized = True
 
     def reset(self) -> None:
+        """Zero the stores."""
         if self.keys is not None:
             self.keys.zero_()
             self.values.zero_()
 
     def nbytes(self) -> int:
+        """Bytes the stores hold."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
 
@@ -134,28 +155,35 @@ class StaticKV(_cache_base()):
         self.read_length = 0
         self.seen = 0
         self.masks: dict = {}
+        self.kernel_step = False  # the next forward is a decode step the decode-attention kernel runs
         layers = [KVLayer(self, *(scales or {}).get(i, ())) for i in range(num_layers)]
         try:
             super().__init__(layers=layers)
         except TypeError:  # a transformers whose Cache takes other arguments: the layers are all it needs
             self.layers = layers
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states, value_states, layer_idx, *_args, **_kwargs):
+        """Write layer `layer_idx`'s K/V; return what its attention reads (KVLayer.update)."""
         return self.layers[layer_idx].update(key_states, value_states)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, _layer_idx: int = 0) -> int:
+        """Tokens written so far."""
         return self.seen
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
+    def get_max_length(self, _layer_idx: int | None = None) -> int:
+        """Positions the cache holds."""
         return self.max_len
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+    def get_mask_sizes(self, _query_length: int, _layer_idx: int = 0) -> tuple[int, int]:
+        """(key length, offset) of the next forward's mask."""
         return self.read_length, 0
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
+    def get_query_offset(self, _layer_idx: int = 0) -> int:
+        """The position of the next forward's first token."""
         return self.seen
 
     def nbytes(self) -> int:
+        """Bytes every layer's stores hold."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def build_masks(self, windows, kind: str, dtype: torch.dtype) -> None:
@@ -180,7 +208,10 @@ SDPA_KWARGS = {"dropout", "scaling", "sliding_window", "is_causal", "position_id
                "output_attentions", "output_router_logits"}  # what the grouped path reads or may safely ignore
 
 
-def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
+KERNEL_KWARGS = SDPA_KWARGS | {"softcap"}  # what the decode-attention kernel implements or may safely ignore
+
+
+def _grouped_sdpa(_module, query, key, value, mask, scaling=None, **_kwargs):
     """sdpa for one query token per sequence with grouped K/V heads, without expanding K/V: the query heads that
     share a K/V head are laid along the query-length axis (q [B, Hkv, G*T, D]), so the cache is read as stored
     (transformers' sdpa path copies it G times per layer and step when a mask is given)."""
@@ -193,13 +224,44 @@ def _grouped_sdpa(module, query, key, value, mask, scaling=None, **kwargs):
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
 
 
-def _decode_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own attention function with the cache's mask for this module's window (for sdpa models and one
-    query token, torch's sdpa on grouped heads: the same attention, the cache read once)."""
+def _kernel_attention(module, query, key, value, window, kwargs):
+    """The decode-attention kernel on the stores (key / value: KVLayer.update's return on a kernel step; the op is
+    registered by _kernel_usable)."""
+    scales = getattr(module, "quantlab_k_scale", None), getattr(module, "quantlab_v_scale", None)
+    if key.dtype != torch.uint8:
+        scales = (None, None)
+    scaling = kwargs.get("scaling")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.quantlab.decode_attention(query, key, value, module.quantlab_decode.positions, *scales,
+                                              float(scaling), int(window or 0), float(kwargs.get("softcap") or 0.0))
+    return out, None
+
+
+def _stored(module, store: torch.Tensor, scale_name: str, dtype: torch.dtype) -> torch.Tensor:
+    """What KVLayer.update returns outside kernel steps, from a store it returned on one (a kernel-step call the
+    kernel does not take)."""
+    held = store[:, :, : module.quantlab_decode.read_length]
+    if store.dtype != torch.uint8:
+        return held
+    scale = getattr(module, scale_name).float()
+    return (held.view(torch.float8_e4m3fn).float() * scale.to(held.device)).to(dtype)
+
+
+def _decode_attention(module, query, key, value, _attention_mask, **kwargs):
+    """The decode-attention kernel on kernel steps (see Decoder); else the model's own attention function with the
+    cache's mask for this module's window (for sdpa models and one query token, torch's sdpa on grouped heads: the
+    same attention, the cache read once)."""
     cache = module.quantlab_decode
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else module.quantlab_decode_window
     if window != module.quantlab_decode_window:
         cache.window_mismatch.add((module.layer_idx, window, module.quantlab_decode_window))
+    if cache.kernel_step and module.quantlab_decode_kernel:
+        if set(kwargs) <= KERNEL_KWARGS and not kwargs.get("dropout") and not kwargs.get("output_attentions"):
+            if not torch.compiler.is_compiling():
+                cache.attention_paths.add("triton decode attention")
+            return _kernel_attention(module, query, key, value, window, kwargs)
+        key = _stored(module, key, "quantlab_k_scale", query.dtype)
+        value = _stored(module, value, "quantlab_v_scale", query.dtype)
     mask = cache.masks.get(window)
     if mask is None:  # a window the model did not declare up front: build it for this call
         saved = cache.masks
@@ -222,6 +284,24 @@ def _register(kind: str) -> str:
     name = DECODE_ATTN.format(kind)
     AttentionInterface.register(name, _decode_attention)  # and no mask function: transformers builds no mask
     return name
+
+
+def _kernel_takes(base, implementation: str) -> bool:
+    """Whether the decode-attention kernel stands in for this attention function (sdpa, or a tested family's
+    eager function)."""
+    if implementation.removeprefix(FP8_KV_PREFIX) == "sdpa":
+        return True
+    family = getattr(base, "__module__", "").rpartition(".")[0].rpartition(".")[2]
+    return getattr(base, "__name__", "") == "eager_attention_forward" and family in KERNEL_EAGER_FAMILIES
+
+
+def _kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """FEATURES["attention_kernel"], and the kernel passed its check on this device (Triton runs there)."""
+    if not FEATURES.get("attention_kernel"):
+        return False
+    from quantlab.engines.kernels import attention, int4
+
+    return int4.available() and attention.usable(str(device), dtype)
 
 
 def _eager_function(module: nn.Module):
@@ -335,6 +415,8 @@ class Decoder:
         self.cache.window_mismatch = set()
         self.cache.attention_paths = set()
         windows = set()
+        single = len(_devices(model)) == 1
+        kernel = single and _kernel_usable(self.device, self.dtype)
         for _, module in modules:
             base = (module.quantlab_base_attention if implementation.startswith(FP8_KV_PREFIX)
                     else _eager_function(module) if implementation == "eager" else None)
@@ -345,10 +427,13 @@ class Decoder:
             module.quantlab_decode = self.cache
             module.quantlab_decode_base = base
             module.quantlab_decode_window = layer_window(module, model.config)
+            module.quantlab_decode_kernel = kernel and _kernel_takes(base, implementation)
+            self.cache.layers[module.layer_idx].kernel = module.quantlab_decode_kernel
             windows.add(module.quantlab_decode_window)
         self.windows = sorted(windows, key=lambda w: -1 if w is None else w)
+        self.kernel_modules = sum(m.quantlab_decode_kernel for _, m in modules)
+        self.all_kernel = self.kernel_modules == len(modules)
         self.moe = is_moe(model)
-        single = len(_devices(model)) == 1
         self.capture = (self.device.type == "cuda" and single and not self.moe) if capture is None else capture
         if self.capture and (self.device.type != "cuda" or not single or self.moe):
             raise Unsupported("CUDA graph capture needs one CUDA device and no expert routing")
@@ -392,7 +477,11 @@ class Decoder:
         position's float32 logits [B, V]."""
         cache = self.cache
         cache.positions, cache.read_length = positions, read_length
-        cache.build_masks(self.windows, self.mask_kind, self.dtype)
+        cache.kernel_step = tokens.shape[1] == 1 and self.kernel_modules > 0
+        if cache.kernel_step and self.all_kernel:
+            cache.masks = {}  # every module reads the cache through the kernel: no mask
+        else:
+            cache.build_masks(self.windows, self.mask_kind, self.dtype)
         position_ids = positions[None].expand(tokens.shape[0], -1)
         with self._mode(compiled):
             self.model(input_ids=tokens, position_ids=position_ids, past_key_values=cache, use_cache=True)
@@ -485,18 +574,19 @@ class Decoder:
         return self.out[:, length: length + new_tokens].clone()
 
     def describe(self) -> dict:
+        """What ran: capture, compilation, cache, attention paths (and the errors that turned a part off)."""
         return {"captured": self.graph is not None, "compiled": self.compile, "moe": self.moe,
                 "capture_error": self.capture_error, "compile_error": self.compile_error,
                 "kv_cache_bytes": self.cache.nbytes(),
                 "fp8_kv": any(layer.fp8 for layer in self.cache.layers), "mask": self.mask_kind,
                 "windows": [w for w in self.windows if w is not None],
-                "attention": sorted(self.cache.attention_paths)}
+                "attention": sorted(self.cache.attention_paths), "attention_kernel_modules": self.kernel_modules}
 
     def close(self) -> None:
         """Drop the graph and the cache (and the attention modules' references to it)."""
         self.graph = None
         for _, module in attention_modules(self.model):
-            for attr in ("quantlab_decode", "quantlab_decode_base", "quantlab_decode_window"):
+            for attr in ("quantlab_decode", "quantlab_decode_base", "quantlab_decode_window", "quantlab_decode_kernel"):
                 if hasattr(module, attr):
                     delattr(module, attr)
         self.cache = None

@@ -185,6 +185,7 @@ class Fp8Linear(QuantLinear):
         return self.weight.float() * self.weight_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> y [..., N]; siblings sharing the input share its quantize (and, natively, one GEMM)."""
         if self.shared is None:
             return super().forward(x)
         shape = x.shape  # siblings are handed the same input object: the shared quantize matches on it
@@ -305,12 +306,14 @@ class Int4AwqLinear(QuantLinear):
         self.block = block
         scales = weight_scale.to(compute_dtype)
         self.packed_kernel = packed_kernel
+        self.layout = "dense"
         if packed_kernel:
-            from quantlab.engines.kernels import int4  # noqa: F401 - registers quantlab::w4a16_mm
+            from quantlab.engines.kernels import int4  # noqa: F401 - registers quantlab's W4A16 ops
 
-            self.kernel = "triton int4 GEMM (W4A16, weights kept packed)"
-            self.register_buffer("weight_packed", packed.contiguous())  # uint8 [N/2, K]
-            self.register_buffer("weight_scale", scales.contiguous())  # [N, K/block]
+            self.kernel = "triton int4 GEMM (W4A16, weights kept packed: export layout)"
+            self.layout = "export"
+            self.register_buffer("weight_packed", packed.contiguous())  # uint8 [N/2, K]; k8: int32 [N, K/8]
+            self.register_buffer("weight_scale", scales.contiguous())  # [N, K/block]; k8: [K/block, N]
             self.weight = None
         else:
             self.kernel = "int4 dequantize (W4A16)"
@@ -336,12 +339,30 @@ class Int4AwqLinear(QuantLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as dequantized at load (before pre_quant_scale)."""
+        if self.layout == "k8":
+            from quantlab.engines.kernels import int4
+
+            return int4.k8_dequantized(self.weight_packed, self.weight_scale, self.block).float()
         if self.packed_kernel:
             scales = self.weight_scale.float().repeat_interleave(self.block, dim=1)
             return (unpack_int4(self.weight_packed).float() * scales).to(self.weight_scale.dtype).float()
         return self.weight.float()
 
+    def repack(self) -> bool:
+        """Rewrite the packed codes and scales into the k8 layout the split-K kernels read (on their device, once),
+        where those kernels take this layer and passed their check on the device; returns whether it did."""
+        from quantlab.engines.kernels import int4
+
+        if (self.layout != "export" or not int4.k8_supported(self.in_features, self.block)
+                or not int4.k8_usable(str(self.weight_packed.device), self.weight_scale.dtype)):
+            return False
+        self.weight_packed, self.weight_scale = int4.repack(self.weight_packed, self.weight_scale)
+        self.layout = "k8"
+        self.kernel = "triton int4 split-K GEMV/GEMM (W4A16, weights kept packed: k8 layout)"
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> y [..., N]: q/k/v siblings share one GEMM (SiblingGemm), others their own."""
         if self.siblings is None:
             return super().forward(x)
         shape = x.shape  # one GEMM for q/k/v: the siblings are handed the same input object
@@ -549,8 +570,18 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------------------- W4A16 sibling fusion
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
           block: int) -> torch.Tensor:
-    """The packed W4A16 GEMM (quantlab::w4a16_mm) on x [M, K] in the scales' dtype -> [M, N] in that dtype."""
+    """The packed W4A16 GEMM on x [M, K] in the scales' dtype -> [M, N] in that dtype: quantlab::w4a16_k8 on the
+    k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes)."""
+    if packed.dtype == torch.int32:
+        return torch.ops.quantlab.w4a16_k8(x.to(scales.dtype), packed, scales, pqs, block)
     return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
+
+
+def _cat_packed(layers: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed siblings' codes and scales concatenated along the outputs (both layouts; k8 scales are [K/g, N])."""
+    k8 = layers[0].layout == "k8"
+    return (torch.cat([m.weight_packed for m in layers]),
+            torch.cat([m.weight_scale for m in layers], dim=1 if k8 else 0))
 
 
 class SiblingGemm:
@@ -558,22 +589,27 @@ class SiblingGemm:
     over their concatenated codes and scales: the first sibling called computes every output, the others take
     theirs, matched by input identity as SharedActivation matches. Each output is the same dot product, in the
     same order, as its own layer's GEMM (the kernels tile N, never K, across programs): one launch, wider N,
-    identical values. The siblings' codes and scales are views into the concatenation (no copy is kept)."""
+    identical values (the k8 kernels: where the wider N is given the same configuration - split and mode - as each
+    layer's own; another split only reorders the fp32 accumulation). The siblings' codes and scales are views into
+    the concatenation (no copy is kept)."""
 
     def __init__(self, layers: list[Int4AwqLinear]):
-        self.packed = torch.cat([m.weight_packed for m in layers])
-        self.scales = torch.cat([m.weight_scale for m in layers])
+        self.packed, self.scales = _cat_packed(layers)
         self.pqs, self.block = layers[0].pre_quant_scale, layers[0].block
         self.bounds, start = [], 0
+        k8 = layers[0].layout == "k8"
         for m in layers:
-            self.bounds.append((start, start + m.out_features))
-            m.weight_packed = self.packed[start // 2: (start + m.out_features) // 2]
-            m.weight_scale = self.scales[start: start + m.out_features]
-            start += m.out_features
+            end = start + m.out_features
+            self.bounds.append((start, end))
+            m.weight_packed = self.packed[start: end] if k8 else self.packed[start // 2: end // 2]
+            m.weight_scale = self.scales[:, start: end] if k8 else self.scales[start: end]
+            start = end
         self.count = len(layers)
         self._held = None  # (the input object, the fused output, takers left)
 
     def output(self, x: torch.Tensor, rows: torch.Tensor, index: int) -> torch.Tensor:
+        """Sibling `index`'s output for input x (rows: x as [M, K]): one GEMM for every sibling, held until each
+        took its columns."""
         held = self._held
         if held is None or held[0] is not x:
             held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block), self.count)
@@ -590,15 +626,22 @@ class Int4GatedMLP(nn.Module):
 
     kernel = "triton int4 GEMM (W4A16, packed): gate|up one GEMM, down"
 
+    @property
+    def layout(self) -> str:
+        """k8 (int32 codes) or export (uint8 codes)."""
+        return "k8" if self.weight_packed.dtype == torch.int32 else "export"
+
     def __init__(self, gate: Int4AwqLinear, up: Int4AwqLinear, down: nn.Module, act_fn):
         super().__init__()
-        self.register_buffer("weight_packed", torch.cat([gate.weight_packed, up.weight_packed]))
-        self.register_buffer("weight_scale", torch.cat([gate.weight_scale, up.weight_scale]))
+        packed, scales = _cat_packed([gate, up])
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scales)
         self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
         self.block, self.inter = gate.block, gate.out_features
         self.down, self.act_fn = down, act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)), gate|up one packed GEMM."""
         shape = x.shape
         y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block)
         y = y.to(x.dtype)
@@ -610,15 +653,22 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
+def repack_int4(model: nn.Module) -> int:
+    """Every packed W4A16 layer rewritten into the k8 layout (Int4AwqLinear.repack); returns how many were."""
+    return sum(m.repack() for m in list(model.modules()) if isinstance(m, Int4AwqLinear))
+
+
 def fuse_int4_siblings(model: nn.Module) -> int:
-    """Packed W4A16 layers reading one input become one GEMM: q/k/v (SiblingGemm) and gated MLPs (Int4GatedMLP),
-    where the layers share their group size and pre_quant_scale and have no bias. Returns the groups fused."""
+    """Packed W4A16 layers are first repacked into the k8 layout (repack_int4); then layers reading one input
+    become one GEMM: q/k/v (SiblingGemm) and gated MLPs (Int4GatedMLP), where the layers share their layout, group
+    size and pre_quant_scale and have no bias. Returns the groups fused."""
+    repack_int4(model)
     fused = 0
     for name, module in list(model.named_modules()):
         qkv = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in qkv)
-                and len({m.block for m in qkv}) == 1 and all(_same(m.pre_quant_scale, qkv[0].pre_quant_scale)
-                                                             for m in qkv)):
+                and len({(m.block, m.layout) for m in qkv}) == 1
+                and all(_same(m.pre_quant_scale, qkv[0].pre_quant_scale) for m in qkv)):
             group = SiblingGemm(qkv)
             for i, m in enumerate(qkv):
                 m.siblings, m.sibling_index = group, i
@@ -626,7 +676,8 @@ def fuse_int4_siblings(model: nn.Module) -> int:
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         act = getattr(module, "act_fn", None)
         if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in (gate, up))
-                and isinstance(down, nn.Module) and act is not None and gate.block == up.block
+                and isinstance(down, nn.Module) and act is not None
+                and (gate.block, gate.layout) == (up.block, up.layout)
                 and _same(gate.pre_quant_scale, up.pre_quant_scale) and getattr(down, "bias", None) is None):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child,

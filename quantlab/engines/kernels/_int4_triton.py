@@ -1,4 +1,7 @@
-"""The Triton kernels of quantlab.engines.kernels.int4 (imported only where Triton is; read that module first)."""
+"""The Triton kernels of quantlab.engines.kernels.int4 (imported only where Triton is; read that module first).
+
+w4a16_gemv / w4a16_gemm read the export's layout (uint8 [N/2, K]); they are the fallback when the k8 kernels
+(w4a16_k8, w4a16_k8_dequant: the layout int4.repack writes) fail their check on a device."""
 import triton
 import triton.language as tl
 
@@ -12,58 +15,13 @@ def _nibbles(wb):
     hi = ((((w >> 4) & 15) ^ 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return lo, hi
 
-# Two 16-bit dequantized weights per 32-bit register, Marlin-style: the code's nibble ORed into the mantissa of a
-# magic number (bf16 128.0 / fp16 1024.0, whose mantissa steps by 1), the magic plus 8 subtracted exactly (codes are
-# XORed with 8 first: two's complement -> offset binary), then one multiply by the group scale, rounded once.
-# For 4 bytes (8 codes): 1 xor, 2 byte permutes, 2 shifts, 4 lop3, 8 packed FMAs.
-_DEQUANT_ASM = """
-{{
-.reg .b32 w, a, b, t, one, bias, nz;
-mov.b32 one, {one};
-mov.b32 bias, {bias};
-mov.b32 nz, 0x80008000;
-xor.b32 w, $4, 0x88888888;
-prmt.b32 a, w, 0, 0x4140;
-prmt.b32 b, w, 0, 0x4342;
-lop3.b32 $0, a, 0x000F000F, {magic}, 0xEA;
-lop3.b32 $1, b, 0x000F000F, {magic}, 0xEA;
-shr.b32 t, a, 4;
-lop3.b32 $2, t, 0x000F000F, {magic}, 0xEA;
-shr.b32 t, b, 4;
-lop3.b32 $3, t, 0x000F000F, {magic}, 0xEA;
-fma.rn.{ty} $0, $0, one, bias;
-fma.rn.{ty} $1, $1, one, bias;
-fma.rn.{ty} $2, $2, one, bias;
-fma.rn.{ty} $3, $3, one, bias;
-fma.rn.{ty} $0, $0, $5, nz;
-fma.rn.{ty} $1, $1, $6, nz;
-fma.rn.{ty} $2, $2, $7, nz;
-fma.rn.{ty} $3, $3, $8, nz;
-}}
-"""
-DEQUANT_BF16 = _DEQUANT_ASM.format(one="0x3F803F80", bias="0xC308C308", magic="0x43004300", ty="bf16x2")
-DEQUANT_F16 = _DEQUANT_ASM.format(one="0x3C003C00", bias="0xE408E408", magic="0x64006400", ty="f16x2")
-
 
 @triton.jit
-def _dequant_asm(wb, s_lo, s_hi, dtype: tl.constexpr):
-    """uint8 codes and the scales of their rows (broadcast to the codes' shape) -> (low, high) weights q * scale
-    in the 16-bit compute dtype, by packed PTX (GPU only; Triton's interpreter runs the plain path)."""
-    if dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r", [wb, s_lo, s_hi],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(DEQUANT_F16, "=r,=r,=r,=r,r,r,r,r,r", [wb, s_lo, s_hi],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def w4a16_gemv(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, N2, K: tl.constexpr, stride_xm, stride_ym, stride_sn,
-               GROUP: tl.constexpr, GROUPS: tl.constexpr, KSTEP: tl.constexpr, BLOCK_N2: tl.constexpr,
-               HAS_PQS: tl.constexpr, ASM: tl.constexpr):
+def w4a16_gemv(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, N2, K: tl.constexpr, stride_xm, stride_ym,  # noqa: PLR0913
+               stride_sn, GROUP: tl.constexpr, GROUPS: tl.constexpr, KSTEP: tl.constexpr, BLOCK_N2: tl.constexpr,
+               HAS_PQS: tl.constexpr):
     """One output row m (program axis 1) x BLOCK_N2 packed weight rows (2*BLOCK_N2 outputs), GROUPS groups of
-    K per step: acc[r, g, e] += x[g, e] * w[r, g, e], reduced once at the end. ASM: the weights dequantized two
-    per instruction (16-bit compute dtypes on the GPU)."""
+    K per step: acc[r, g, e] += x[g, e] * w[r, g, e], reduced once at the end."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     dtype = y_ptr.dtype.element_ty
@@ -86,13 +44,9 @@ def w4a16_gemv(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, N2, K: tl.constexpr, stride_xm
         mask_s = mask_p[:, None] & (gi[None, :] < K // GROUP)
         s_lo = tl.load(s_ptr + (2 * rp)[:, None] * stride_sn + gi[None, :], mask=mask_s, other=0.0)
         s_hi = tl.load(s_ptr + (2 * rp + 1)[:, None] * stride_sn + gi[None, :], mask=mask_s, other=0.0)
-        if ASM:  # the scales are broadcast to the codes' shape by inline_asm_elementwise
-            w_lo, w_hi = _dequant_asm(wb, s_lo[:, :, None], s_hi[:, :, None], dtype)
-            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
-        else:
-            q_lo, q_hi = _nibbles(wb)
-            w_lo = (q_lo * s_lo.to(tl.float32)[:, :, None]).to(dtype).to(tl.float32)
-            w_hi = (q_hi * s_hi.to(tl.float32)[:, :, None]).to(dtype).to(tl.float32)
+        q_lo, q_hi = _nibbles(wb)
+        w_lo = (q_lo * s_lo.to(tl.float32)[:, :, None]).to(dtype).to(tl.float32)
+        w_hi = (q_hi * s_hi.to(tl.float32)[:, :, None]).to(dtype).to(tl.float32)
         acc_lo += w_lo * x[None, :, :]
         acc_hi += w_hi * x[None, :, :]
     y_lo = tl.sum(tl.sum(acc_lo, axis=2), axis=1)
@@ -101,8 +55,8 @@ def w4a16_gemv(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, N2, K: tl.constexpr, stride_xm
     tl.store(y_ptr + m * stride_ym + 2 * rp + 1, y_hi.to(dtype), mask=mask_p)
 
 @triton.jit
-def w4a16_gemm(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, M, N2, K: tl.constexpr, stride_xm, stride_ym, stride_sn,
-               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
+def w4a16_gemm(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, M, N2, K: tl.constexpr, stride_xm, stride_ym,  # noqa: PLR0913
+               stride_sn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_PQS: tl.constexpr, F32_DOT: tl.constexpr):
     """BLOCK_M rows x BLOCK_N2 packed weight rows; a K step lies inside one group (BLOCK_K divides GROUP):
     acc_lo / acc_hi hold outputs 2r / 2r+1 and are stored interleaved."""
@@ -138,3 +92,133 @@ def w4a16_gemm(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, M, N2, K: tl.constexpr, stride
     mask = mask_m[:, None] & mask_p[None, :]
     tl.store(out, acc_lo.to(dtype), mask=mask)
     tl.store(out + 1, acc_hi.to(dtype), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ the k8 layout
+# int4.repack writes, per output row, one int32 word per 8 inputs: in block b of 128 inputs, word i (0..15) holds in
+# bits 4j..4j+3 the code of input 128b + 16j + i, offset binary (q + 8). Nibble j of 16 consecutive words is then
+# the 16 consecutive inputs 128b + 16j .. +15: one [rows, 16] tile per j, matched by 16 consecutive inputs of x.
+@triton.jit
+def _k8_dequant(wv, j: tl.constexpr, s, FAST: tl.constexpr):
+    """Nibble j of int32 words wv [R, 16] -> (code - 8) * s, exactly, in fp32 (s [R] fp32, its row's scale).
+
+    FAST (s a 16-bit value): the nibble is moved to bits p..p+3 (p = 12 or 16) and ORed into 1.0, giving
+    v = 1 + u 2^(p-23); then v * S - C with S = s 2^(23-p), C = S + 8s is (u - 8) s. Exact with or without FMA
+    contraction: v has 24-p <= 12 significant bits and S at most 11, so v * S is exact, and (u - 8) s (at most 15
+    bits) is representable, so the subtraction is too. 4 shifts per word, then per weight one LOP3 and one FFMA.
+    Otherwise (fp32 scales): q exactly as (u | 2^23 bits) - (2^23 + 8), times s rounded once, as the reference."""
+    if FAST:
+        P = 12 + 4 * ((0b10110010 >> j) & 1)  # constexpr: 16 for j in (1, 4, 5, 7), 12 otherwise
+        SHIFT = P - 4 * j
+        if SHIFT > 0:
+            ws = wv << SHIFT
+        elif SHIFT < 0:
+            ws = wv >> (-SHIFT)
+        else:
+            ws = wv
+        v = ((ws & (15 << P)) | 0x3F800000).to(tl.float32, bitcast=True)
+        big = s * (1 << (23 - P))
+        return v * big[:, None] - (big + 8.0 * s)[:, None]
+    u = (wv >> (4 * j)) & 15
+    q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return q * s[:, None]
+
+
+@triton.jit
+def _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, HAS_PQS: tl.constexpr):
+    """x[rm, k0:k0+16] (times pre_quant_scale, rounded to the compute dtype - x's - as the reference rounds it)."""
+    ri = tl.arange(0, 16)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + ri)[None, :], mask=(rm < M)[:, None], other=0.0)
+    if HAS_PQS:
+        x = (x.to(tl.float32) * tl.load(p_ptr + k0 + ri).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def w4a16_k8(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, stride_ym,  # noqa: PLR0913
+             stride_sg, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+             SPLIT_K: tl.constexpr, BPI: tl.constexpr, DOT: tl.constexpr, HAS_PQS: tl.constexpr,
+             F32_DOT: tl.constexpr, FAST: tl.constexpr):
+    """y [M, N] = x [M, K] @ dequant(W)^T on the k8 layout, split over K.
+
+    Program (n tile, K split, m tile) reads BLOCK_N rows x K/SPLIT_K inputs of codes, BPI blocks of 128 inputs per
+    loop step (their loads issued together). DOT: per nibble j one tensor-core product of the dequantized
+    [BLOCK_N, 16] tile with x's [BLOCK_M, 16] columns (fp32 accumulate); else (BLOCK_M = 1, one program per row)
+    FMAs into [BLOCK_N, 16] fp32 accumulators summed at the end. With SPLIT_K > 1 each program writes its fp32
+    partial to the workspace and bumps its tile's counter; the program that arrives last sums the SPLIT_K partials
+    in split order (deterministic), writes y and re-arms the counter at 0 for the next launch."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    dtype = y_ptr.dtype.element_ty
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    ri = tl.arange(0, 16)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rm < M
+    KW: tl.constexpr = K // 8
+    PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
+    if DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for it in range(PER_SPLIT // BPI):
+        for bb in tl.static_range(BPI):
+            b = pid_k * PER_SPLIT + it * BPI + bb
+            wv = tl.load(w_ptr + rn[:, None] * KW + (b * 16 + ri)[None, :], mask=mask_n[:, None], other=0)
+            for j in tl.static_range(8):
+                k0 = b * 128 + j * 16
+                if (j * 16) % GROUP == 0:  # the group changes (every block when GROUP >= 128)
+                    s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + rn, mask=mask_n, other=0.0).to(tl.float32)
+                w = _k8_dequant(wv, j, s, FAST).to(dtype)
+                x = _k8_x(x_ptr, p_ptr, rm, M, stride_xm, k0, HAS_PQS)
+                if DOT:
+                    if F32_DOT:  # fp32 models, and Triton's interpreter: exact products, fp32 accumulation
+                        acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(w, tl.trans(x), acc)
+                else:
+                    acc += w.to(tl.float32) * x.to(tl.float32)
+    if DOT:
+        out = acc
+        rows = rm[None, :]
+        cols = rn[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+    else:
+        out = tl.sum(acc, axis=1)
+        rows = pid_m
+        cols = rn
+        mask = mask_n
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows * stride_ym + cols, out.to(dtype), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * M + rows) * N + cols, out, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter says so (CUTLASS's semaphore)
+        tile = pid_n * tl.num_programs(2) + pid_m
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros(out.shape, dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                total += tl.load(ws_ptr + (sk * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows * stride_ym + cols, total.to(dtype), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def w4a16_k8_dequant(w_ptr, s_ptr, out_ptr, N, stride_sg, K: tl.constexpr, GROUP: tl.constexpr,  # noqa: PLR0913
+                     BLOCK_N: tl.constexpr, FAST: tl.constexpr):
+    """The k8 codes of BLOCK_N rows x one block of 128 inputs -> the dequantized weights [N, K] in out's dtype
+    (q * s rounded once: the values the GEMV multiplies), for large-row GEMMs done by torch."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    ri = tl.arange(0, 16)
+    wv = tl.load(w_ptr + rn[:, None] * (K // 8) + (b * 16 + ri)[None, :], mask=mask_n[:, None], other=0)
+    for j in tl.static_range(8):
+        k0 = b * 128 + j * 16
+        if (j * 16) % GROUP == 0:
+            s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + rn, mask=mask_n, other=0.0).to(tl.float32)
+        w = _k8_dequant(wv, j, s, FAST)
+        tl.store(out_ptr + rn[:, None] * K + (k0 + ri)[None, :], w.to(dtype), mask=mask_n[:, None])

@@ -1,29 +1,42 @@
 """W4A16 GEMM on weights that stay packed: y = (x * pre_quant_scale) @ dequant(W)^T.
 
-The layout is the export's own, read as is: int4 codes packed two per byte along the output dimension (uint8
-[N/2, K]: row 2r in the low nibble, row 2r+1 in the high nibble, two's complement) and one scale per group of
-`group` inputs ([N, K/group], in the compute dtype). The arithmetic is the dequantized layer's (qlayers.Int4AwqLinear
-on the CPU), value for value: the input times pre_quant_scale rounded to the compute dtype, each weight
-q * scale computed exactly in fp32 and rounded once to the compute dtype, products accumulated in fp32, the output
-rounded to the compute dtype. Only the order of the fp32 accumulation differs from a dequantize-then-GEMM.
+The arithmetic is the dequantized layer's (qlayers.Int4AwqLinear on the CPU), value for value: the input times
+pre_quant_scale rounded to the compute dtype, each weight q * scale computed exactly in fp32 and rounded once to the
+compute dtype, products accumulated in fp32, the output rounded to the compute dtype. Only the order of the fp32
+accumulation differs from a dequantize-then-GEMM.
 
-K is a compile-time constant (a model has two or three input widths; a loop bound known to the compiler, and what
-Triton's CPU interpreter needs under NumPy 2.4). Two kernels: a GEMV for one row (decode at batch 1: each weight
-byte is read once and used once, so the product is an FMA and the tile stays in the layout it was loaded in) and a
-tensor-core GEMM (tl.dot) for more rows. Both are registered as one torch custom op (quantlab::w4a16_mm) so
-torch.compile traces through it and CUDA graphs capture it. Nothing is dequantized into memory: a layer holds
-N*K/2 bytes of codes and N*K/group scales.
+Two layouts, two kernel families:
+- k8 (what the engine runs): `repack` rewrites the export's codes once at load into int32 [N, K/8], 8 codes of one
+  output row per word along K (offset binary; within each block of 128 inputs, nibble j of word i is input
+  128b + 16j + i), and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, up to
+  DENSE_ROWS rows, one split-K kernel (w4a16_k8: every SM streams codes; partials reduced in fp32 by the last
+  program of each tile, in a fixed order) in one of two modes - tensor-core products of dequantized 16-wide tiles
+  (`dot`), or FMAs (one row per program) - with a configuration per shape (`k8_config`: the table CONFIGS that
+  bench/decode.py --check's sweep fills and prints, else a default); from DENSE_ROWS rows on (prefill) it
+  dequantizes the layer into a temporary and lets torch's GEMM multiply. Op: quantlab::w4a16_k8.
+- export (the fallback): the export's own layout read as is (uint8 [N/2, K], rows 2r / 2r+1 in the low / high
+  nibble, two's complement; scales [N, K/group]): a GEMV for one row and a tensor-core GEMM. Op: quantlab::w4a16_mm.
+  Layers keep this layout where the k8 kernels do not apply (K not a multiple of 128, a group size that does not
+  tile 128) or fail their check on the device (`k8_usable`, run once per device and dtype before any layer is
+  repacked).
+
+K is a compile-time constant (a model has two or three input widths; loop bounds known to the compiler are what
+Triton's CPU interpreter needs under NumPy 2.4). Both ops are torch custom ops, so torch.compile traces through them
+and CUDA graphs capture them. A layer holds N*K/2 bytes of codes and N*K/group scales, never dequantized weights.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
 import torch
 
-GEMV_MAX_ROWS = 1  # rows handled by the GEMV kernel; more rows use the tensor-core GEMM
-GEMV_ASM = False  # the GEMV dequantizes with packed PTX (bf16 / fp16 on GPUs); off until a GPU run validated it
+log = logging.getLogger("quantlab")
+GEMV_MAX_ROWS = 1  # export layout: rows handled by the GEMV kernel; more rows use the tensor-core GEMM
+DENSE_ROWS = 256  # k8: from this many rows on, dequantize into a temporary and multiply with torch's GEMM
+TARGET_WAVES = 4  # k8 default: split K until the grid holds this many programs per SM
 
 
 @functools.cache
@@ -38,6 +51,7 @@ def available() -> bool:
 
 
 def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1: the tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -46,7 +60,7 @@ def _kernels():
 
     from quantlab.engines.kernels import _int4_triton
 
-    return triton, _int4_triton.w4a16_gemv, _int4_triton.w4a16_gemm
+    return triton, _int4_triton
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
@@ -56,13 +70,14 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return p
 
 
-def gemv_config(n: int, k: int, group: int) -> dict:
-    """Launch parameters of the GEMV (chosen by shape; bench/decode.py --check times the alternatives)."""
+def gemv_config(k: int, group: int) -> dict:
+    """Launch parameters of the export-layout GEMV."""
     groups = _pow2_at_most(max(1, 256 // group), k // group)  # 256 inputs a step: 16 fp32 accumulators a thread
     return {"GROUPS": groups, "BLOCK_N2": 8, "num_warps": 4}
 
 
-def gemm_config(m: int, n: int, k: int, group: int) -> dict:
+def gemm_config(m: int, group: int) -> dict:
+    """Launch parameters of the export-layout GEMM."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_k = _pow2_at_most(group, 64 if block_m >= 64 else 128)
     return {"BLOCK_M": block_m, "BLOCK_N2": 32 if block_m <= 32 else 64, "BLOCK_K": block_k,
@@ -70,10 +85,9 @@ def gemm_config(m: int, n: int, k: int, group: int) -> dict:
 
 
 def w4a16_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
-                 group: int, config: dict | None = None, gemv: bool | None = None,
-                 asm: bool | None = None) -> torch.Tensor:
-    """x [M, K] (compute dtype), packed uint8 [N/2, K], scales [N, K/group] -> y [M, N] in x's dtype."""
-    triton, gemv_kernel, gemm_kernel = _kernels()
+                 group: int, config: dict | None = None, gemv: bool | None = None) -> torch.Tensor:
+    """Export layout: x [M, K] (compute dtype), packed uint8 [N/2, K], scales [N, K/group] -> y [M, N]."""
+    triton, kernels = _kernels()
     m, k = x.shape
     n2 = packed.shape[0]
     x = x.contiguous()
@@ -82,20 +96,20 @@ def w4a16_launch(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pq
         return y
     p = pqs if pqs is not None else scales  # any pointer: unused when HAS_PQS is False
     if gemv if gemv is not None else m <= GEMV_MAX_ROWS:
-        cfg = config or gemv_config(2 * n2, k, group)
+        cfg = config or gemv_config(k, group)
         meta = {key: v for key, v in cfg.items() if key not in ("num_warps", "num_stages")}
         grid = (triton.cdiv(n2, meta["BLOCK_N2"]), m)
-        use_asm = (GEMV_ASM if asm is None else asm) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-        gemv_kernel[grid](x, packed, scales, p, y, n2, k, x.stride(0), y.stride(0), scales.stride(0),
-                          GROUP=group, KSTEP=meta["GROUPS"] * group, HAS_PQS=pqs is not None, ASM=use_asm,
-                          num_warps=cfg.get("num_warps", 4), **meta)
+        kernels.w4a16_gemv[grid](x, packed, scales, p, y, n2, k, x.stride(0), y.stride(0), scales.stride(0),
+                                 GROUP=group, KSTEP=meta["GROUPS"] * group, HAS_PQS=pqs is not None,
+                                 num_warps=cfg.get("num_warps", 4), **meta)
     else:
-        cfg = config or gemm_config(m, 2 * n2, k, group)
+        cfg = config or gemm_config(m, group)
         meta = {key: v for key, v in cfg.items() if key not in ("num_warps", "num_stages")}
         grid = (triton.cdiv(n2, meta["BLOCK_N2"]), triton.cdiv(m, meta["BLOCK_M"]))
-        gemm_kernel[grid](x, packed, scales, p, y, m, n2, k, x.stride(0), y.stride(0), scales.stride(0),
-                          GROUP=group, HAS_PQS=pqs is not None, F32_DOT=x.dtype == torch.float32 or interpreted(),
-                          num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **meta)
+        kernels.w4a16_gemm[grid](x, packed, scales, p, y, m, n2, k, x.stride(0), y.stride(0), scales.stride(0),
+                                 GROUP=group, HAS_PQS=pqs is not None,
+                                 F32_DOT=x.dtype == torch.float32 or interpreted(),
+                                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **meta)
     return y
 
 
@@ -107,13 +121,14 @@ def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: t
 
 
 @w4a16_mm.register_fake
-def _(x, packed, scales, pqs, group):
+def _(x, packed, _scales, _pqs, _group):
     return x.new_empty(x.shape[0], 2 * packed.shape[0])
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
               group: int) -> torch.Tensor:
-    """The same arithmetic in plain torch: dequantize (q * scale in fp32, rounded to the compute dtype), GEMM."""
+    """The same arithmetic in plain torch (export layout): dequantize (q * scale in fp32, rounded to the compute
+    dtype), GEMM."""
     from quantlab.engines.qlayers import unpack_int4
 
     dtype = x.dtype
@@ -123,47 +138,306 @@ def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: 
     return x @ w.t()
 
 
-CHECK_CASES = ((1, 64, 256, 64, True), (1, 48, 128, 32, False), (3, 64, 384, 128, True), (20, 96, 256, 64, False))
+# ------------------------------------------------------------------------------------------------ the k8 layout
+def k8_supported(k: int, group: int) -> bool:
+    """Whether the k8 kernels take a layer of K inputs and this group size (K in blocks of 128; a group that is a
+    multiple of 16 and divides 128, or a multiple of 128)."""
+    return k % 128 == 0 and group % 16 == 0 and (128 % group == 0 or group % 128 == 0) and k % group == 0
 
 
-def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0) -> list[dict]:
-    """Both kernels against the exact arithmetic they implement, case by case (rows, N, K, group, with
-    pre_quant_scale): the input times pre_quant_scale rounded to the compute dtype, weights q * scale rounded once,
-    exact products accumulated in fp32 in any order, the output rounded once. `worst` is the largest error over
-    its bound (fp32 accumulation of |x||w| plus half an ulp of the output): at most 1 passes. A wrong code, scale
-    or group is off by the size of the products, orders of magnitude above the bound. Used by the tests
-    (Triton's CPU interpreter) and by bench/decode.py --check (on the GPU, at the model's shapes)."""
+def repack(packed: torch.Tensor, scales: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Export layout -> k8, on the tensors' device: codes uint8 [N/2, K] -> int32 [N, K/8], scales [N, K/group] ->
+    [K/group, N] (contiguous). Chunked over rows (the int64 temporaries are 16x the codes)."""
     from quantlab.engines.qlayers import unpack_int4
 
+    n2, k = packed.shape
+    out = torch.empty(2 * n2, k // 8, dtype=torch.int32, device=packed.device)
+    step = max(1, rows_per_chunk // 2)
+    for r in range(0, n2, step):
+        u = (unpack_int4(packed[r: r + step]).to(torch.int64) + 8).view(-1, k // 128, 8, 16)  # [n, b, j, i]
+        words = torch.zeros(u.shape[0], k // 128, 16, dtype=torch.int64, device=packed.device)
+        for j in range(8):
+            words |= u[:, :, j] << (4 * j)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the int32 with these bits
+        out[2 * r: 2 * r + u.shape[0]] = words.view(u.shape[0], k // 8).to(torch.int32)
+    return out, scales.t().contiguous()
+
+
+def k8_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """k8 int32 [N, K/8] -> the signed codes int8 [N, K] (input order)."""
+    n, kw = qweight.shape
+    w = qweight.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=1)  # [N, 8 (j), K/8 (b, i)]
+    nib = nib.view(n, 8, kw // 16, 16).permute(0, 2, 1, 3)  # [N, b, j, i]: input 128b + 16j + i
+    return (nib.reshape(n, kw * 8) - 8).to(torch.int8)
+
+
+def k8_dequantized(qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
+    """The weights the k8 kernels multiply, in plain torch: q * scale in fp32, rounded to the scales' dtype [N, K]."""
+    return (k8_codes(qweight).float() * scales_t.t().float().repeat_interleave(group, dim=1)).to(scales_t.dtype)
+
+
+_SCRATCH: dict = {}  # device -> {"ws": fp32 workspace, "cnt": int32 counters, "kept": every buffer ever handed out}
+
+
+def _scratch(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K workspace and tile counters of a device, grown as needed. Counters are zero between launches
+    (the last program of a tile re-arms its own). Replaced buffers are kept alive: a captured CUDA graph may still
+    point at them."""
+    key = str(device)
+    held = _SCRATCH.setdefault(key, {"ws": None, "cnt": None, "kept": []})
+    if held["ws"] is None or held["ws"].numel() < floats:
+        held["ws"] = torch.empty(max(floats, 1 << 22), dtype=torch.float32, device=device)
+        held["kept"].append(held["ws"])
+    if held["cnt"] is None or held["cnt"].numel() < tiles:
+        held["cnt"] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        held["kept"].append(held["cnt"])
+    return held["ws"], held["cnt"]
+
+
+def reset_counters() -> None:
+    """Zero every device's tile counters (after a launch that may have stopped half way, e.g. in a sweep)."""
+    for held in _SCRATCH.values():
+        if held["cnt"] is not None:
+            held["cnt"].zero_()
+
+
+def m_bucket(m: int) -> int:
+    """The row class a configuration is chosen for: 1, 16, 32, 64 or 128 (DENSE_ROWS rows and more: dense)."""
+    return 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+# (row class, N, K) -> configuration; bench/decode.py --check's sweep fills it for the run and prints it to commit.
+CONFIGS: dict[tuple[int, int, int], dict] = {}
+
+
+@functools.cache
+def _sm_count(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 4
+
+
+def valid_splits(k: int, bpi: int) -> list[int]:
+    """Split counts the k8 kernel takes for K inputs and `bpi` blocks a step: each split an equal whole number of
+    steps."""
+    blocks = k // 128
+    return [s for s in range(1, blocks + 1) if blocks % s == 0 and (blocks // s) % bpi == 0]
+
+
+def default_split(tiles: int, k: int, bpi: int, sms: int) -> int:
+    """The smallest valid split that gives TARGET_WAVES programs per SM (else the largest valid one)."""
+    splits = valid_splits(k, bpi)
+    return next((s for s in splits if tiles * s >= TARGET_WAVES * sms), splits[-1])
+
+
+def k8_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
+    """The configuration of the k8 kernel for M rows of an [N, K] layer: the sweep's (CONFIGS), else the default:
+    tensor-core mode, 64 output rows a program, 2 blocks a step, K split for TARGET_WAVES programs per SM."""
+    cfg = CONFIGS.get((m_bucket(m), n, k))
+    if cfg is not None and cfg["split_k"] in valid_splits(k, cfg["bpi"]):
+        return cfg
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    bpi = 2 if (k // 128) % 2 == 0 else 1
+    tiles = -(-n // 64) * -(-m // block_m)
+    return {"dot": True, "block_n": 64, "block_m": block_m, "bpi": bpi,
+            "split_k": default_split(tiles, k, bpi, _sm_count(device)), "num_warps": 4, "num_stages": 2}
+
+
+def _k8_dense(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None,
+              group: int) -> torch.Tensor:
+    """Many rows: the layer dequantized into a temporary by a kernel (the k8 kernel's weight values), then torch's
+    GEMM (fp32 accumulation: reduced-precision reductions off for the call)."""
+    triton, kernels = _kernels()
+    n, k = qweight.shape[0], x.shape[1]
+    w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+    kernels.w4a16_k8_dequant[(triton.cdiv(n, 64), k // 128)](qweight, scales_t, w, n, scales_t.stride(0), k,
+                                                             GROUP=group, BLOCK_N=64,
+                                                             FAST=x.dtype in (torch.bfloat16, torch.float16))
+    if pqs is not None:
+        x = x * pqs
+    if not x.is_cuda:
+        return x @ w.t()
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        return x @ w.t()
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+
+
+def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
+              config: dict | None = None) -> torch.Tensor:
+    """k8 layout: x [M, K] (compute dtype), qweight int32 [N, K/8], scales_t [K/group, N] (unit stride along N)
+    -> y [M, N] in x's dtype. config: a k8_config-style dict, or {"dense": True}; None: by shape."""
+    triton, kernels = _kernels()
+    m, k = x.shape
+    n = qweight.shape[0]
+    x = x.contiguous()
+    if m == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    if (config or {}).get("dense") or (config is None and m >= DENSE_ROWS):
+        return _k8_dense(x, qweight, scales_t, pqs, group)
+    cfg = config or k8_config(m, n, k, str(x.device))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dot, split = cfg["dot"], cfg["split_k"]
+    block_m = cfg["block_m"] if dot else 1
+    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, block_m))
+    ws, cnt = _scratch(x.device, split * m * n if split > 1 else 0, grid[0] * grid[2])
+    kernels.w4a16_k8[grid](x, qweight, scales_t, pqs if pqs is not None else scales_t, y, ws, cnt, m, n, x.stride(0),
+                           y.stride(0), scales_t.stride(0), k, GROUP=group, BLOCK_N=cfg["block_n"], BLOCK_M=block_m,
+                           SPLIT_K=split, BPI=cfg["bpi"], DOT=dot, HAS_PQS=pqs is not None,
+                           F32_DOT=x.dtype == torch.float32 or interpreted(),
+                           FAST=x.dtype in (torch.bfloat16, torch.float16),
+                           num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    return y
+
+
+@torch.library.custom_op("quantlab::w4a16_k8", mutates_args=())
+def w4a16_k8(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None,
+             group: int) -> torch.Tensor:
+    """The k8 W4A16 GEMM as one opaque op (traced by torch.compile, captured by CUDA graphs)."""
+    return k8_launch(x, qweight, scales_t, pqs, group)
+
+
+@w4a16_k8.register_fake
+def _(x, qweight, _scales_t, _pqs, _group):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ checks
+CHECK_CASES = ((1, 64, 512, 64, True), (1, 48, 128, 32, False), (3, 64, 384, 128, True), (20, 96, 256, 64, False))
+
+
+def k8_variants(rows: int, k: int) -> list[tuple[str, dict | None]]:
+    """The k8 paths check() runs for a case: the default configuration, tensor cores without a split, FMAs with a
+    split (few rows), and the dense path."""
+    bpi = 2 if (k // 128) % 2 == 0 else 1
+    split = valid_splits(k, bpi)[min(1, len(valid_splits(k, bpi)) - 1)]
+    out = [("k8", None), ("k8_dot_nosplit", {"dot": True, "block_n": 32, "block_m": 16, "bpi": 1, "split_k": 1})]
+    if rows <= 4:
+        out.append(("k8_fma_split", {"dot": False, "block_n": 32, "block_m": 1, "bpi": bpi, "split_k": split}))
+    out.append(("k8_dense", {"dense": True}))
+    return out
+
+
+def _bound(xs: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact result, error bound): fp32 accumulation in any order (a statistical bound: sqrt(K) roundings) plus
+    half an ulp of the output."""
+    exact = xs.double() @ w.double().t()
+    accumulation = (xs.double().abs() @ w.double().abs().t()) * 2 * math.sqrt(w.shape[1]) * torch.finfo(
+        torch.float32).eps
+    bound = accumulation + (exact.abs() + accumulation) * torch.finfo(dtype).eps / 2 * (1 + 1e-6) + 1e-30
+    return exact, bound
+
+
+def _one_case(out: list, device: str, case: tuple, tensors: tuple, kernels: tuple) -> None:
+    """Run each (name, kind, config) kernel on one case's tensors, appending a row per kernel."""
+    rows, n, k, group, has_pqs = case
+    x, packed, scales, pqs, dtype = tensors
+    xs = x * pqs if has_pqs else x
+    w = (unpack_int4(packed).float() * scales.float().repeat_interleave(group, 1)).to(dtype)
+    exact, bound = _bound(xs, w, dtype)
+    args = [t.to(device) if t is not None else None for t in (x, packed, scales, pqs)]
+    k8_args = None
+    for name, kind, config in kernels:
+        row = {"rows": rows, "n": n, "k": k, "group": group, "pqs": has_pqs, "kernel": name,
+               "dtype": str(dtype).removeprefix("torch."), "worst": float("inf"), "ok": False}
+        try:
+            if kind == "export":
+                y = w4a16_launch(*args, group, gemv=config).cpu()
+            else:
+                if k8_args is None:
+                    k8_args = (args[0], *repack(args[1], args[2]), args[3])
+                y = k8_launch(*k8_args, group, config=config).cpu()
+        except Exception as exc:  # noqa: BLE001 - reported as a failed case
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            out.append(row)
+            reset_counters()
+            continue
+        ok_shape = y.dtype == dtype and tuple(y.shape) == (rows, n)
+        row["worst"] = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
+        row["ok"] = ok_shape and row["worst"] <= 1.0
+        out.append(row)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """qlayers.unpack_int4 (imported late: qlayers imports this module)."""
+    from quantlab.engines.qlayers import unpack_int4 as unpack
+
+    return unpack(packed)
+
+
+def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0,
+          layouts: tuple = ("export", "k8")) -> list[dict]:
+    """Every kernel against the exact arithmetic it implements, case by case (rows, N, K, group, with
+    pre_quant_scale): the input times pre_quant_scale rounded to the compute dtype, weights q * scale rounded once,
+    exact products accumulated in fp32 in any order, the output rounded once. `worst` is the largest error over
+    its bound (fp32 accumulation of |x||w| plus half an ulp of the output): at most 1 passes (inf: the launch
+    failed, `error` says why). A wrong code, scale or group is off by the size of the products, orders of
+    magnitude above the bound. Kernels: the export layout's GEMV and GEMM; the k8 paths of k8_variants (cases whose
+    K or group the k8 layout does not take are skipped there). Used by the tests (Triton's CPU interpreter), by
+    k8_usable, and by bench/decode.py --check (on the GPU, at the model's shapes)."""
     out = []
     g = torch.Generator().manual_seed(seed)
-    for rows, n, k, group, has_pqs in cases:
+    for case in cases:
+        rows, n, k, group, has_pqs = case
         packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
         for dtype in dtypes:
             scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
             pqs = (torch.rand(k, generator=g) + 0.5).to(dtype) if has_pqs else None
             x = torch.randn(rows, k, generator=g).to(dtype)
-            xs = x * pqs if has_pqs else x
-            w = (unpack_int4(packed).float() * scales.float().repeat_interleave(group, 1)).to(dtype)
-            exact = xs.double() @ w.double().t()
-            # fp32 accumulation in any order (a statistical bound: sqrt(K) roundings), then one rounding
-            accumulation = (xs.double().abs() @ w.double().abs().t()) * 2 * math.sqrt(k) * torch.finfo(
-                torch.float32).eps
-            bound = accumulation + (exact.abs() + accumulation) * torch.finfo(dtype).eps / 2 * (1 + 1e-6) + 1e-30
-            args = [t.to(device) if t is not None else None for t in (x, packed, scales, pqs)]
-            variants = [("gemv", True, False), ("gemm", False, False)]
-            if device != "cpu" and dtype != torch.float32:
-                variants.append(("gemv_asm", True, True))
-            for kernel, gemv, asm in variants:
-                try:
-                    y = w4a16_launch(*args, group, gemv=gemv, asm=asm).cpu()
-                except Exception as exc:  # noqa: BLE001 - reported as a failed case
-                    out.append({"rows": rows, "n": n, "k": k, "group": group, "pqs": has_pqs, "kernel": kernel,
-                                "dtype": str(dtype).removeprefix("torch."), "ok": False, "error": str(exc)[:300]})
-                    continue
-                ok_shape = y.dtype == dtype and tuple(y.shape) == (rows, n)
-                worst = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
-                out.append({"rows": rows, "n": n, "k": k, "group": group, "pqs": has_pqs,
-                            "dtype": str(dtype).removeprefix("torch."), "kernel": kernel,
-                            "worst": worst, "ok": ok_shape and worst <= 1.0})
+            kernels = []
+            if "export" in layouts:
+                kernels += [("gemv", "export", True), ("gemm", "export", False)]
+            if "k8" in layouts and k8_supported(k, group):
+                kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
+            _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
+    return out
+
+
+SELF_CHECK_CASES = ((1, 96, 512, 128, True), (5, 64, 256, 64, False), (300, 64, 256, 128, True))
+_USABLE: dict = {}
+
+
+def k8_usable(device: str, dtype: torch.dtype) -> bool:
+    """Whether the k8 kernels compute exactly on this device and dtype: check() on a few small cases, once per
+    process (False where Triton cannot run; the layers then keep the export layout and its kernels)."""
+    key = (str(device), dtype)
+    if key not in _USABLE:
+        if not available() or (not str(device).startswith("cuda") and not interpreted()):
+            _USABLE[key] = False
+        else:
+            try:
+                rows = check(str(device), dtypes=(dtype,), cases=SELF_CHECK_CASES, layouts=("k8",))
+                bad = [r for r in rows if not r["ok"]]
+            except Exception as exc:  # noqa: BLE001 - no k8 kernels then, said once
+                bad = [{"error": f"{type(exc).__name__}: {exc}"}]
+            if bad:
+                log.warning("int4: the k8 W4A16 kernels failed their check on %s (%s); using the export layout's "
+                            "kernels", device, bad[:2])
+            _USABLE[key] = not bad
+    return _USABLE[key]
+
+
+def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
+    """k8 configurations bench/decode.py --check times for M rows of an [N, K] layer (all valid for K): for one row
+    tensor-core and FMA modes over tile widths and steps, each at the default's split and the next larger; for more
+    rows, tensor-core tiles of the row class."""
+    sms = _sm_count("cuda") if torch.cuda.is_available() else 132
+    out = []
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m_tiles = -(-m // block_m)
+    shapes = ([(True, 64, 2, 4), (True, 128, 1, 4), (True, 32, 2, 4), (False, 64, 2, 4), (False, 32, 4, 4)]
+              if m == 1 else [(True, 64, 2, 4), (True, 128, 1, 8), (True, 32, 2, 4)])
+    for dot, block_n, bpi, warps in shapes:
+        splits = valid_splits(k, bpi)
+        if not splits:
+            continue
+        tiles = -(-n // block_n) * (m_tiles if dot else m)
+        base = splits.index(default_split(tiles, k, bpi, sms))
+        for i in sorted({base, min(len(splits) - 1, base + 1)}):  # the default's split and the next larger
+            out.append({"dot": dot, "block_n": block_n, "block_m": block_m if dot else 1, "bpi": bpi,
+                        "split_k": splits[i], "num_warps": warps, "num_stages": 2})
     return out
