@@ -84,7 +84,8 @@ class DataConfig:
 
 @dataclass
 class CalibConfig(DataConfig):
-    """Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in batches."""
+    """Calibration data: num_samples windows drawn (seeded) from the first pool_windows windows, calibrated in
+    batches."""
     num_samples: int = 32
     pool_windows: int = 1024  # windows are drawn from the first pool_windows windows (reading stops there)
     batch_size: int = 16  # AWQ-lite searches per batch: fewer, larger batches calibrate faster (bench/RESULTS.md)
@@ -157,7 +158,8 @@ STAGES = ("prepare", "data", "quantize", "export", "build", "evaluate")  # stop_
 
 @dataclass
 class Config:
-    """The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root node)."""
+    """The whole run: model, precision, KV cache, data, engine, gate, cache and what to stop after (Hydra's root
+    node)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = MISSING  # a config group: precision=fp8 (or +precision=fp8)
     kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
