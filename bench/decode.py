@@ -625,24 +625,36 @@ def check_model(prec: str, engine, args) -> dict:
         eager.append(dec.logits.clone())
     dec.close()
     captured, eager = torch.stack(captured, 1), torch.stack(eager, 1)
+    seq = torch.cat([prompts, ids], 1)
     with torch.no_grad():
-        full = engine.forward(torch.cat([prompts, ids], 1)).logits(prompt, prompt + steps - 1)
+        full = engine.forward(seq).logits(prompt, prompt + steps - 1)
+        # the rounding floor of this model and precision: the same sequence's full forward beside another
+        # sequence (twice the GEMM rows: other kernels and split orders, the same numerics). A random-weight
+        # 32-layer model amplifies rounding, and FP8 activations flip E4M3 roundings, so this floor, not a fixed
+        # number, says how far two correct computations of the same logits drift apart
+        other = torch.randint(0, model.config.vocab_size, seq.shape, generator=torch.Generator().manual_seed(10))
+        pair = engine.forward(torch.cat([seq, other.to(DEVICE)], 0)).logits(prompt, prompt + steps - 1)[:1]
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
 
     out = {"captured_vs_uncaptured_rel_l2": rel(captured, eager), "captured_vs_full_rel_l2": rel(captured, full),
            "uncaptured_vs_full_rel_l2": rel(eager, full),
+           "full_batch2_vs_full_rel_l2": rel(pair, full),
            "top1_agreement_vs_full": float((captured.argmax(-1) == full.argmax(-1)).float().mean()),
            "captured": info["captured"], "compiled": info["compiled"], "compile_error": info["compile_error"],
            "capture_error": info["capture_error"], "attention": info["attention"]}
     # FP8 activations amplify rounding differences (one flipped E4M3 rounding is a 1/8 step): 3e-2 seen on the
     # CPU for W4A8; a wrong position, mask or cache read gives ~1 (unrelated logits)
-    out["ok"] = (out["captured_vs_uncaptured_rel_l2"] < 0.2 and out["captured_vs_full_rel_l2"] < 0.2
+    # CPU for W4A8; a wrong position, mask or cache read gives ~1 (unrelated logits). The decode may drift from the
+    # full forward by 3x the model's own rounding floor when that floor is above 0.2/3
+    bound = max(0.2, 3 * out["full_batch2_vs_full_rel_l2"])
+    out["ok"] = (out["captured_vs_uncaptured_rel_l2"] < 0.2 and out["captured_vs_full_rel_l2"] < bound
                  and (info["captured"] or DEVICE != "cuda"))
     say(f"  check {prec}: {'ok' if out['ok'] else 'BAD'} step logits rel L2: captured vs uncaptured "
         f"{out['captured_vs_uncaptured_rel_l2']:.1e}, captured vs full forward {out['captured_vs_full_rel_l2']:.1e}, "
-        f"uncaptured vs full {out['uncaptured_vs_full_rel_l2']:.1e}; top-1 agreement "
+        f"uncaptured vs full {out['uncaptured_vs_full_rel_l2']:.1e}, rounding floor (full forward at batch 2 vs 1) "
+        f"{out['full_batch2_vs_full_rel_l2']:.1e}; top-1 agreement "
         f"{out['top1_agreement_vs_full']:.2f}; captured={info['captured']} compiled={info['compiled']} "
         f"attention={info['attention']}" + (f" compile_error={info['compile_error']}" if info["compile_error"] else ""))
     return out
