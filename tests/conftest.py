@@ -93,27 +93,95 @@ def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
     return out
 
 
+# ------------------------------------------------------------------------------- built once per test run
+def _shared_root(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this test run sees (the run's base temp directory; without xdist, this
+    process's). The tiny models are built there once, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_once"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def built_once(tmp_path_factory, name: str, build, meanwhile: tuple = ()) -> Path:
+    """root/name, made by build(out) in exactly one worker of the run: a file lock per name; a worker that finds
+    it taken builds what it will need next (`meanwhile`: (name, build) pairs nobody is building) and then waits.
+    The builders are seeded, so which worker builds a model does not change a byte of it."""
+    from filelock import FileLock, Timeout
+
+    root = _shared_root(tmp_path_factory)
+    out = root / name
+    lock = FileLock(str(root / f".{name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:  # another worker is building it
+        for other, other_build in meanwhile:
+            other_lock = FileLock(str(root / f".{other}.lock"))
+            try:
+                other_lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                _build_into(root / other, other_build)
+            finally:
+                other_lock.release()
+        lock.acquire()
+    try:
+        _build_into(out, build)
+    finally:
+        lock.release()
+    return out
+
+
+def _build_into(out: Path, build) -> None:
+    """build(out) unless a finished build is there (the marker is written last; a half-written one is redone)."""
+    import shutil
+
+    done = out.parent / f".{out.name}.done"
+    if done.exists():
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    build(out)
+    done.write_text("")
+
+
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    _train_tokenizer(out)
-    return out
+    def build(out: Path) -> None:
+        out.mkdir()
+        _train_tokenizer(out)
+
+    return built_once(tmp_path_factory, "tokenizer", build)
+
+
+def _tiny_builders(tok: Path) -> dict:
+    return {"tiny_llama": lambda out: _save_model(out, "llama", tok),
+            "tiny_qwen2": lambda out: _save_model(out, "qwen2", tok)}
+
+
+def _tiny(tmp_path_factory, tok: Path, name: str) -> Path:
+    builders = _tiny_builders(tok)
+    return built_once(tmp_path_factory, name, builders[name], [(n, b) for n, b in builders.items() if n != name])
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, tok_dir) -> Path:
-    return _save_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tok_dir)
+    return _tiny(tmp_path_factory, tok_dir, "tiny_llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, tok_dir) -> Path:
-    return _save_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tok_dir)
+    return _tiny(tmp_path_factory, tok_dir, "tiny_qwen2")
 
 
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory) -> Path:
-    """One artifact cache for the session (tests that need a cold cache make their own)."""
-    return tmp_path_factory.mktemp("cache")
+    """One artifact cache for the test run, shared by the xdist workers (the store builds each artifact once across
+    processes: a calibration or reference evaluation one module made is reused by another). Tests that need a cold
+    cache, or count what a run builds, make their own."""
+    out = _shared_root(tmp_path_factory) / "cache"
+    out.mkdir(exist_ok=True)
+    return out
 
 
 def compose(overrides: list[str]):
@@ -200,12 +268,9 @@ def build_family(name: str, out: Path, tok_dir: Path, steps: int = 60) -> Path:
 
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory, tok_dir):
-    """family name -> a tiny trained checkpoint of it (built once per session)."""
-    built: dict[str, Path] = {}
+    """family name -> a tiny trained checkpoint of it (built once per test run, on first use)."""
 
     def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build_family(name, tmp_path_factory.mktemp(f"family_{name}"), tok_dir)
-        return built[name]
+        return built_once(tmp_path_factory, f"family_{name}", lambda out: build_family(name, out, tok_dir))
 
     return get

@@ -1,4 +1,5 @@
-"""The real CLI in a subprocess: runs, reuse, multirun, and every preflight error (exit 2 + the fix)."""
+"""The real CLI in a subprocess: runs, reuse, multirun and its exit 2 on bad input; bad input that needs files or a
+model, in-process through the same checks (each refused with its message, before compute)."""
 from __future__ import annotations
 
 import json
@@ -41,16 +42,10 @@ def _bad_dirs(tmp_path, tiny_llama):
     return out
 
 
+# Bad input that needs files or a model: refused by the run itself before any compute. Run in-process through the
+# CLI's own sequence (check_argv, then api.run: compose, preflight, prepare, data); config-only bad input is checked
+# in tests/test_configs.py, and two cases go through the real CLI below (exit 2, one short paragraph, no traceback).
 ERRORS = [
-    (["+precision=fp9"], "unknown precision 'fp9'; did you mean 'fp8'"),
-    (["+precision=fp8", "calib.num_sample=3"], "did you mean 'num_samples'"),
-    (["+precision=fp8", "eval.max_window=3"], "did you mean 'max_windows'"),
-    (["+precision=fp8", "engine=torhc"], "did you mean 'torch'"),
-    (["+precision=fp8", "kv_cache=fp16"], "unknown kv_cache 'fp16'"),
-    (["+precision=int4_awq", "precision.blok_size=64"], "did you mean 'block_size'"),
-    (["+precision=fp8", "gate.thresholds.top1_agrement.min=0.5"], "did you mean 'top1_agreement'"),
-    ([], "no precision chosen"),
-    (["+precision=fp8", "calib.num_samples=0"], "calib.num_samples=0 must be a positive number"),
     (["+precision=fp8", "model.path=/nonexistent/model"], "does not exist"),
     (["+precision=fp8", "model.path={bert}"], "not a causal LM"),
     (["+precision=fp8", "model.path={truncated}"], "truncated or corrupt"),
@@ -67,19 +62,43 @@ ERRORS = [
     (["+precision=fp8", "model.path={llama}", "engine.max_seq_len=128", "eval.seq_len=256"], "max_input_len=128"),
     (["+precision=fp8", "model.path={llama}", "calib.dataset=cnn_dailymail"], "not available here"),
     (["+precision=fp8", "model.path={llama}", "gate.baseline={files}/short.txt"], "is not JSON"),
-    (["+precision=fp8", "eval.prefix_token=cls"], "eval.prefix_token='cls' is not supported"),
-    (["+precision=fp8", "eval.seq_len=1"], "a window needs 2 tokens or more"),
-    (["+precision=fp8", "model.device_map=everywhere"], "model.device_map='everywhere' is not supported"),
+]
+CLI_ERRORS = [  # one refused before Hydra composes (argv checks), one refused inside the run (a damaged model)
+    (["+precision=fp9"], "unknown precision 'fp9'; did you mean 'fp8'"),
+    (["+precision=fp8", "model.path={truncated}"], "truncated or corrupt"),
 ]
 
 
-@pytest.mark.parametrize("args,message", ERRORS, ids=[m[:40] for _, m in ERRORS])
-def test_bad_input_exits_2(args, message, tmp_path, tiny_llama, tiny_qwen2, shared_cache):
+def _argv(args, tmp_path, tiny_llama, tiny_qwen2):
+    """The case's arguments with its directories filled in, then FAST's settings it does not set itself."""
     dirs = _bad_dirs(tmp_path, tiny_llama)
     fill = {**{k: str(v) for k, v in dirs.items()}, "llama": str(tiny_llama), "qwen2": str(tiny_qwen2)}
     argv = [a.format(**fill) for a in args]
-    fast = [a for a in FAST if not any(a.split("=")[0] == b.split("=")[0] for b in argv)]
-    res = run_cli([*argv, *fast], cwd=tmp_path, cache=shared_cache)
+    return argv + [a for a in FAST if not any(a.split("=")[0] == b.split("=")[0] for b in argv)]
+
+
+@pytest.mark.parametrize("args,message", ERRORS, ids=[m[:40] for _, m in ERRORS])
+def test_bad_input_is_refused_before_compute(args, message, tmp_path, tiny_llama, tiny_qwen2, shared_cache,
+                                             monkeypatch):
+    from quantlab import api
+    from quantlab.cli import check_argv
+    from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
+
+    monkeypatch.setenv("QUANTLAB_CACHE", str(shared_cache))
+    argv = check_argv(_argv(args, tmp_path, tiny_llama, tiny_qwen2))
+    with pytest.raises(QuantlabError) as err:
+        api.run(argv, tmp_path / "run")
+    text = f"quantlab: error: {err.value}"  # what the CLI prints for it
+    assert err.value.exit_code == EXIT_BAD_INPUT
+    assert message in text, text
+    assert "Traceback" not in text
+    assert len(text.splitlines()) <= 6, text
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("args,message", CLI_ERRORS, ids=[m[:40] for _, m in CLI_ERRORS])
+def test_bad_input_exits_2(args, message, tmp_path, tiny_llama, tiny_qwen2, shared_cache):
+    res = run_cli(_argv(args, tmp_path, tiny_llama, tiny_qwen2), cwd=tmp_path, cache=shared_cache)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
     assert message in res.stderr, res.stderr[-3000:]
     assert "Traceback" not in res.stderr

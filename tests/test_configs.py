@@ -1,18 +1,18 @@
 """Every config option of every group composes into a typed Config, and the registries agree with conf/.
 
 Config-only bad input is checked here in-process (no subprocess): the CLI's argv checks and preflight raise the
-same QuantlabError the CLI turns into exit 2."""
+same QuantlabError the CLI turns into exit 2 (tests/test_cli.py runs two bad commands through the real CLI)."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from conftest import compose
+from conftest import FAST, compose
 
 from quantlab.cli import check_argv
 from quantlab.compose import group_options
 from quantlab.engines.registry import ENGINE_SCHEMAS, ENGINES, engine_of
-from quantlab.errors import QuantlabError
+from quantlab.errors import EXIT_BAD_INPUT, QuantlabError
 from quantlab.gate.metrics import GATEABLE, METRICS
 from quantlab.precisions import KV_FORMATS, PRECISION_SCHEMAS, PRECISIONS, precision_of
 from quantlab.preflight import check_config
@@ -66,7 +66,7 @@ def test_default_gate_passes_its_own_validation():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["+precision=fp9"], "did you mean 'fp8'"),
+    (["+precision=fp9"], "unknown precision 'fp9'; did you mean 'fp8'"),
     (["+precision=fp8", "engine=torhc"], "did you mean 'torch'"),
     (["+precision=fp8", "precision.name=int4_awq"], "has no 'name'"),
     (["+precision=fp8", "precision.block_size=64"], "only int4_awq, w4a8_awq have 'block_size'"),
@@ -81,6 +81,27 @@ def test_default_gate_passes_its_own_validation():
 def test_argv_checks(argv, message):
     with pytest.raises(QuantlabError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_argv(argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["+precision=fp8", "eval.max_window=3"], "did you mean 'max_windows'"),
+    (["+precision=fp8", "kv_cache=fp16"], "unknown kv_cache 'fp16'"),
+    (["+precision=int4_awq", "precision.blok_size=64"], "did you mean 'block_size'"),
+    (["+precision=fp8", "calib.num_samples=0"], "calib.num_samples=0 must be a positive number"),
+    (["+precision=fp8", "eval.prefix_token=cls"], "eval.prefix_token='cls' is not supported"),
+    (["+precision=fp8", "eval.seq_len=1"], "a window needs 2 tokens or more"),
+    (["+precision=fp8", "model.device_map=everywhere"], "model.device_map='everywhere' is not supported"),
+])
+def test_command_line_config_errors(argv, message):
+    """What the CLI does before any compute, in-process: argv checks, compose, config checks (with the small eval
+    settings the CLI tests run with); each bad command is refused (exit 2) with its message."""
+    def refuse():
+        args = check_argv(argv + [a for a in FAST if not any(a.split("=")[0] == b.split("=")[0] for b in argv)])
+        check_config(compose(args)[0])
+
+    with pytest.raises(QuantlabError) as err:
+        refuse()
+    assert err.value.exit_code == EXIT_BAD_INPUT and message in str(err.value), str(err.value)
 
 
 def test_sweep_over_precisions_needs_no_block_size_override():

@@ -48,7 +48,7 @@ def test_damaged_candidate_fails_every_quality_gate(tiny_llama, shared_cache):
     cfg, store, ref, tok, evalset = _setup(tiny_llama, shared_cache)
     device = resolve_device("cpu")
     model = load_model(ref, device, torch.float32)
-    gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layers" in name and p.dim() == 2:

@@ -13,7 +13,7 @@ needs_fp8 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get
 
 @needs_fp8
 def test_native_fp8_matches_emulation():
-    g = torch.Generator(device="cpu").manual_seed(int(torch.seed() % 2**31))
+    g = torch.Generator(device="cpu").manual_seed(0)
     w = torch.randn(256, 512, generator=g)
     ws = w.abs().max() / 448
     w8 = (w / ws).to(torch.float8_e4m3fn)
