@@ -9,7 +9,8 @@ What is resolved, by walking each script's AST (module level and inside function
 - calls of a resolved quantlab function or class: the arguments bind to its signature, and a literal argument
   (a string, a number) matches the parameter's annotation where that is a plain class (`data.run(cfg, "eval", ...)`
   where a Role is required fails);
-- `from conftest import ...` / `from test_audit import ...`: the names are defined at the top of that tests/ file;
+- `from conftest import ...` / `from test_audit import ...` / `from _converted import ...`: the names are defined at
+  the top of that tests/ or bench/ file;
 - string constants naming a quantlab module (`python -m quantlab.audit`) and bench/*.py paths in bench/*.sh exist;
 - overrides written as string constants (`"gate.statistical.sequential=false"`, f"eval.max_windows={n}"): the
   dotted key exists in quantlab.config.Config's schema (a precision / engine key in some precision / engine schema).
@@ -186,14 +187,23 @@ class _Checker:
                         except AttributeError:
                             self.report(node, f"from {node.module} import {alias.name}: {node.module} has no "
                                               f"{alias.name!r}")
-                elif node.module in ("conftest",) or node.module.startswith("test_"):
-                    self.test_helpers(node)
+                elif self.local_module(node.module):
+                    self.local_names(node)
         return env
 
-    def test_helpers(self, node: ast.ImportFrom) -> None:
-        source = REPO / "tests" / f"{node.module}.py"
+    @staticmethod
+    def local_module(name: str) -> Path | None:
+        """The bench/ or tests/ file a script imports by its bare name (bench/ is the script's own directory;
+        the benches put tests/ on sys.path for conftest's model builders)."""
+        if name == "conftest" or name.startswith("test_") or (name.startswith("_") and not name.startswith("__")):
+            return next((d / f"{name}.py" for d in (BENCH, REPO / "tests") if (d / f"{name}.py").is_file()),
+                        REPO / "tests" / f"{name}.py")
+        return None
+
+    def local_names(self, node: ast.ImportFrom) -> None:
+        source = self.local_module(node.module)
         if not source.is_file():
-            self.report(node, f"from {node.module} import ...: no tests/{node.module}.py")
+            self.report(node, f"from {node.module} import ...: no bench/{node.module}.py or tests/{node.module}.py")
             return
         tree = ast.parse(source.read_text())
         defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -204,8 +214,8 @@ class _Checker:
                 defined |= {(a.asname or a.name).split(".")[0] for a in n.names}
         for alias in node.names:
             if alias.name not in defined:
-                self.report(node, f"from {node.module} import {alias.name}: tests/{node.module}.py defines no "
-                                  f"{alias.name!r}")
+                self.report(node, f"from {node.module} import {alias.name}: {source.relative_to(REPO)} defines "
+                                  f"no {alias.name!r}")
 
     # ------------------------------------------------------------------------------------- scopes
     def check(self) -> list[str]:
@@ -318,15 +328,17 @@ def test_the_checker_finds_what_a_refactor_removes(tmp_path):
         "    stats.interval([1.0], 2.0)\n"
         "    stats.no_such_function()\n"
         "    data.run(cfg, data.EVAL, fp, tok, store)\n"
+        "    from _converted import seed_converted_model, nothing_here\n"
         "if __name__ == '__main__':\n"
         "    main()\n")
     found = _Checker(stale).check()
     lines = {int(p.split(":")[1]) for p in found}
-    assert lines == {2, 3, 9, 10, 11, 12, 13, 16, 19}, "\n".join(found)
+    assert lines == {2, 3, 9, 10, 11, 12, 13, 16, 19, 21}, "\n".join(found)
     text = "\n".join(found)
     for what in ("PRECISION_SCHEMAS", "quantlab.nothing_here", "'PositionStats'", "'reference'",
                  "role='eval' is a str, Role required", "too many", "quantlab.no_such_tool", "'no_such_function'",
-                 "gate.statistical has no key 'enabled'", "eval has no key 'windows'", "model has no key 'nothing'"):
+                 "gate.statistical has no key 'enabled'", "eval has no key 'windows'", "model has no key 'nothing'",
+                 "bench/_converted.py defines no 'nothing_here'"):
         assert what in text, (what, text)
 
 
@@ -342,8 +354,9 @@ def test_bench_script_imports_and_its_quantlab_names_resolve(script, monkeypatch
     finally:
         sys.path[:] = path
     tree = ast.parse(script.read_text())
-    assert any(isinstance(n, ast.If) and "__name__" in ast.unparse(n.test) for n in tree.body), \
-        f"{script.name}: no `if __name__ == \"__main__\":` guard"
+    if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):  # helpers (_x.py) have none
+        assert any(isinstance(n, ast.If) and "__name__" in ast.unparse(n.test) for n in tree.body), \
+            f"{script.name}: main() not guarded by `if __name__ == \"__main__\":`"
     problems = _Checker(script).check()
     assert not problems, "stale names in bench scripts:\n" + "\n".join(problems)
 
