@@ -9,13 +9,17 @@ every window (run_sequential with a fixed n: the metrics, CIs and checks of metr
 Both use the same in-memory model objects (the candidate is the unquantized model, as engine=reference runs it), so
 only the metric and caching work differs. Prints wall and CPU seconds (all threads of the process) and their ratios;
 the wall ratio is the figure on an idle machine, the CPU ratio the comparable one where other jobs share the cores.
-Target: <= 1.15x.
+Target: <= 1.15x. With --profile the quantlab side runs under cProfile with a CPU-time clock and the CPU seconds of
+its parts are printed (model forwards, output-head logits, the comparison of full-vocabulary distributions, storing
+and hashing artifacts, the gate's statistics); profiling slows Python-level work a little, so the ratio of such a run
+is not the figure.
 
-    python bench/eval_overhead.py [--windows 16] [--seq 512]
+    python bench/eval_overhead.py [--windows 16] [--seq 512] [--profile]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import tempfile
 import time
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="CPU seconds of the parts of quantlab's evaluation")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as cache:
@@ -61,6 +66,9 @@ def main() -> None:
                     m(batch, use_cache=False).logits.float()
         bare, bare_cpu = time.time() - start, time.process_time() - cpu
 
+        prof = cProfile.Profile(time.process_time) if args.profile else None
+        if prof:
+            prof.enable()
         start, cpu = time.time(), time.process_time()
         base = evaluate.reference_key(ctx.store, ref.fingerprint, evalset.fingerprint, cfg.eval, ctx.device, ctx.dtype,
                                       cfg.gate.statistical.look_windows)
@@ -71,6 +79,8 @@ def main() -> None:
         design = gate_checks.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
         result = evaluate.run_sequential(candidate, thresholds, design, None, tok, fixed_n=evalset.num_windows)
         ours, ours_cpu = time.time() - start, time.process_time() - cpu
+        if prof:
+            prof.disable()
     tokens = evalset.num_windows * evalset.seq_len
     m = result.metrics
     print(f"{evalset.num_windows} windows x {evalset.seq_len} tokens, batch {args.batch}, {ctx.device.name} "
@@ -80,7 +90,34 @@ def main() -> None:
           f"{m['top1_agreement']['value']}, {len(result.checks)} gate checks")
     print(f"bare forwards: {bare:.1f} s ({2 * tokens / bare:.0f} tok/s); quantlab evaluation: {ours:.1f} s; "
           f"wall ratio {ours / bare:.3f}; CPU {bare_cpu:.1f} s vs {ours_cpu:.1f} s: CPU ratio "
-          f"{ours_cpu / bare_cpu:.3f} (target <= 1.15)")
+          f"{ours_cpu / bare_cpu:.3f} (target <= 1.15){' (profiled run)' if prof else ''}")
+    if prof:
+        print(f"quantlab's evaluation, CPU seconds by part (cumulative, overlapping where nested): {parts(prof)}")
+
+
+PARTS = {  # label: (file suffix, function) of the entry points whose cumulative CPU time is reported
+    "model forwards (hidden states)": ("engines/hf.py", "_forward"),
+    "head verification": ("engines/hf.py", "verify_head"),
+    "output-head logits (Head.__call__)": ("engines/head.py", "__call__"),
+    "reference NLL + argmax": ("gate/metrics.py", "nll_and_argmax"),
+    "candidate vs reference per position (full-vocabulary KL etc.)": ("gate/metrics.py", "compare_positions"),
+    "hashing artifact files": ("quantlab/artifacts.py", "fingerprint_files"),
+    "safetensors save_file": ("safetensors/torch.py", "save_file"),
+    "safetensors load_file": ("safetensors/torch.py", "load_file"),
+    "metrics and intervals (result_of)": ("stages/evaluate.py", "result_of"),
+    "gate checks (evaluate_checks)": ("gate/checks.py", "evaluate_checks"),
+}
+
+
+def parts(prof) -> str:
+    import pstats
+
+    stats = pstats.Stats(prof).stats
+    out = []
+    for label, (suffix, func) in PARTS.items():
+        total = sum(v[3] for (file, _, name), v in stats.items() if name == func and file.endswith(suffix))
+        out.append(f"{label} {total:.1f}")
+    return "; ".join(out)
 
 
 if __name__ == "__main__":
