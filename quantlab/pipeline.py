@@ -122,6 +122,9 @@ class _Run:
         if self.executor.has("audit"):  # seconds, before any evaluation; an error stops the run (exit 1)
             report = self.executor.value("audit")
             self.record["audit"] = audit_record(report)
+            for finding in report.errors + report.warnings:  # one line each, whether audited now or reused
+                (log.error if finding.severity == "error" else log.warning)(
+                    "audit: %s [%s] %s", finding.severity, finding.check, finding.message)
             if not report.passed:
                 return self.audit_stopped(report, ref)
         run = self.executor
