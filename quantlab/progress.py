@@ -317,6 +317,14 @@ def task(label: str, total: int | None = None, unit: str = "", expected: float |
         c.close(t, ok)
 
 
+def note(detail: str) -> None:
+    """Say what the innermost open task is doing now (e.g. "importing NVIDIA ModelOpt"); nothing when none is open."""
+    c = console()
+    with c.lock:
+        if c.tasks:
+            c.tasks[-1].detail = detail
+
+
 # ------------------------------------------------------------------------------------- library output
 class _ToLog(io.TextIOBase):
     """A stream that sends complete lines to the log (progress bars' carriage-return redraws: the last state)."""

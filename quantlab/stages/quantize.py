@@ -93,9 +93,11 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
               full_logits: bool = False):
     """Load the reference model and run ModelOpt calibration; returns (model, info). Progress is reported per pass,
     batch and decoder layer (quantlab.progress), with an ETA from the passes' measured rates and the cost model."""
+    progress.note("importing NVIDIA ModelOpt")
     import modelopt.torch.quantization as mtq
     import torch
 
+    progress.note(f"loading {ref.name}")
     model = load_model(ref, device, dtype, device_map)
     batches = list(torch.split(calib.tokens, req.batch_size))
     counter = {"batches": 0}
@@ -109,15 +111,20 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
     passes = costs.calibration_passes(req.modelopt_cfg.get("algorithm"), costs.linear_share(ref.config, calib.seq_len))
     tracker = progress.PassProgress(passes, len(batches), len(layers))
 
+    pass_start = [0.0]
+
     def forward_loop(m):
         tracker.begin_pass()
+        pass_start[0] = time.time()
         with torch.no_grad(), layer_hooks(layers, tracker):
             for i, batch in enumerate(batches, 1):
                 tracker.at(i, 0)
                 m(batch.to(first), use_cache=False, **keep)
                 counter["batches"] += 1
-        log.info("  calibration pass %d/%d (%s): %d batch(es) in %.1f s", tracker.index + 1, len(tracker.passes),
-                 tracker.name, len(batches), tracker.end_pass())
+                if i == len(batches) or i % max(1, len(batches) // 4) == 0:
+                    log.info("  calibration batch %d/%d of pass %d/%d, %s (%.1f s into the pass)", i, len(batches),
+                             tracker.index + 1, len(tracker.passes), tracker.name, time.time() - pass_start[0])
+        tracker.end_pass()
         if "experts" in counter:
             counter["experts"].first_pass_done = True
 
