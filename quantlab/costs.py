@@ -123,13 +123,22 @@ def _passes_of(entry: dict) -> float | None:
     return precision_passes(precision, None, 512) if entry.get("stage") == "quantize" else None
 
 
+def _ratio(entry: dict, want: dict, dim: str) -> float:
+    have, need = (_passes_of(entry), want.get(dim)) if dim == "passes" else (entry.get(dim), want.get(dim))
+    return need / have if have and need else 1.0
+
+
 def _scale(entry: dict, want: dict) -> float:
-    factor = 1.0
-    for dim in ("size", "params", "passes"):
-        have, need = (_passes_of(entry), want.get(dim)) if dim == "passes" else (entry.get(dim), want.get(dim))
-        if have and need:
-            factor *= need / have
-    return entry["wall_time_s"] * factor
+    """entry's wall time scaled to want: linearly in size, parameters and calibration passes. Where the record knows
+    how much of it the calibration passes took (pass_seconds), only those scale with size and passes; the rest (model
+    load, setup) scales with parameters alone."""
+    params = _ratio(entry, want, "params")
+    passes = _ratio(entry, want, "passes")
+    size = _ratio(entry, want, "size")
+    in_passes = entry.get("pass_seconds")
+    if isinstance(in_passes, (int, float)) and 0 < in_passes <= entry["wall_time_s"]:
+        return (entry["wall_time_s"] - in_passes) * params + in_passes * size * params * passes
+    return entry["wall_time_s"] * size * params * passes
 
 
 def estimate(history: list[dict], stage: str, want: dict, machine: str | None = None) -> Estimate:
@@ -155,9 +164,20 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
 
 
 def history(store) -> list[dict]:
-    """The cost records of every build in an artifact store (what estimate() predicts from)."""
-    return [a.manifest["cost"] for a in store.entries()
-            if isinstance(a.manifest, dict) and isinstance(a.manifest.get("cost"), dict)]
+    """The cost records of every build in an artifact store (what estimate() predicts from); a calibration's record
+    gains pass_seconds, the time its forward passes took (from its manifest's info)."""
+    out = []
+    for a in store.entries():
+        cost = a.manifest.get("cost") if isinstance(a.manifest, dict) else None
+        if not isinstance(cost, dict):
+            continue
+        passes = (a.manifest.get("info") or {}).get("calib_passes")
+        if isinstance(passes, list) and passes:
+            seconds = [p.get("seconds") for p in passes if isinstance(p, dict)]
+            if seconds and all(isinstance(x, (int, float)) for x in seconds):
+                cost = {**cost, "pass_seconds": round(sum(seconds), 3)}
+        out.append(cost)
+    return out
 
 
 def _fit(pool: list[dict], size: int | None) -> Estimate | None:
