@@ -40,6 +40,12 @@ else
 fi
 PIP="python -m pip"
 
+# pip 25.1 and later show progress while they install (the longest silent step of older pips: minutes).
+if [ -z "$DRY" ] && python -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) >= (25, 1))"; then
+  say "upgrading pip $(python -c 'import pip; print(pip.__version__)') (newer pips show progress while installing)"
+  run $PIP install --retries 1 --timeout 20 --upgrade "pip>=25.1" || say "pip could not be upgraded: continuing"
+fi
+
 if [ -z "$DRY" ] && python -c "import torch" 2>/dev/null; then
   say "PyTorch $(python -c 'import torch; print(torch.__version__)') is installed already: kept"
 elif [ -n "${TORCH_PIP_ARGS:-}" ]; then
