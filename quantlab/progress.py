@@ -317,6 +317,15 @@ def task(label: str, total: int | None = None, unit: str = "", expected: float |
         c.close(t, ok)
 
 
+def iterate(items, label: str, total: int, unit: str, per_item: int = 1):
+    """items, reported as a task of `total` units (each item done counts per_item, the last one what is left): a
+    loop becomes reported by wrapping its iterable, nothing else changes."""
+    with task(label, total=total, unit=unit) as t:
+        for item in items:
+            yield item
+            t.advance(min(per_item, max(0, total - t.done)))
+
+
 def note(detail: str) -> None:
     """Say what the innermost open task is doing now (e.g. "importing NVIDIA ModelOpt"); nothing when none is open."""
     c = console()

@@ -151,3 +151,15 @@ def test_libraries_output_goes_to_the_run_log_and_warnings_to_one_line(tmp_path,
     assert said == f"libraries warned 2 times (transformers 1, DeprecationWarning 1): see {tmp_path / 'quantlab.log'}" \
         or said == f"libraries warned 2 times (DeprecationWarning 1, transformers 1): see {tmp_path / 'quantlab.log'}"
     assert not [h for h in root.handlers if str(tmp_path) in getattr(h, "baseFilename", "")]  # restored
+
+
+def test_a_loop_is_reported_by_wrapping_its_iterable(monkeypatch):
+    """progress.iterate: how the evaluation's reference and candidate loops report windows done and the ETA."""
+    c, clock, out = console()
+    monkeypatch.setattr(progress, "_console", c)
+    seen = []
+    for _ in progress.iterate(range(0, 10, 4), "reference", 10, "windows", 4):
+        clock.now += 6
+        seen.append(c.tick())
+    assert seen == [None, "  reference: 4/10 windows (40%), 12 s, ~18 s left", None]
+    assert c.tasks == [] and out.getvalue().splitlines()[-1] == "  reference: done in 18 s"
