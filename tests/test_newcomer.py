@@ -122,7 +122,7 @@ class _Clock(types.SimpleNamespace):
     def __init__(self, step: float):
         import time
 
-        super().__init__(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+        super().__init__(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_") and k != "perf_counter"})
         self.t, self.step, self.calls = 0.0, step, 0
 
     def perf_counter(self) -> float:
