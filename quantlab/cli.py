@@ -1,4 +1,5 @@
-"""Command line: argv checks with "did you mean", then @hydra.main -> to_object -> api.execute.
+"""Command line: --help (quantlab.help), argv checks with "did you mean", then @hydra.main -> to_object ->
+api.execute.
 
 Exit codes: 0 every run may ship, 1 a gate failed, 2 bad config or input, 3 internal error (a bug: the
 traceback is written to the run directory), 130 interrupted. A sweep exits with the largest code of its runs,
@@ -23,10 +24,11 @@ from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, Qua
 from quantlab.gate.metrics import GATEABLE
 from quantlab.precisions import PRECISION_SCHEMAS
 from quantlab.registry import did_you_mean
-from quantlab.report.sweep import STATUS, exit_codes
+from quantlab.report.sweep import exit_codes
+from quantlab.rundir import STATUS
 
 LOCAL_LAUNCHERS = ("basic", "joblib", "submitit_local")  # jobs run on this machine
-HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
+HYDRA_FLAGS = ("--cfg", "-c", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")  # --help is quantlab's
 GROUPS = ("precision", "kv_cache", "engine", "gate", "model", "search")
 log = logging.getLogger("quantlab")
 
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: list[str]) -> int:
     import hydra
 
+    from quantlab import help as quantlab_help
+
+    if quantlab_help.wants_help(args):  # before Hydra, whose --help needs a composable config
+        print(quantlab_help.text(args))
+        return 0
     plan_only = "--plan" in args
     args = [a for a in args if a != "--plan"]
     multirun = ("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)

@@ -9,6 +9,14 @@ A prediction for a planned build uses the earlier builds of the same stage on th
 preferring the same variant, and scales their time linearly in size and params (calibration and evaluation
 are forward passes: linear in tokens and, for a fixed shape family, in parameters). It is a planning figure:
 the plan says which earlier builds it came from.
+
+A precision with no build of its own yet is predicted from another precision's builds through an a-priori cost model
+of calibration, counted in plain forward passes over the calibration tokens (`calibration_passes`): max calibration
+(FP8, NVFP4) and SmoothQuant are one pass; AWQ-lite is one pass collecting activation statistics, then a search pass
+in which every quantized linear layer runs once unquantized and once per candidate scale (11 for alpha_step 0.1),
+so it costs 1 + (1 + 11 s) passes, s being the share of a pass spent in those layers (from the model's shape:
+`linear_share`). AWQ therefore scales with layers x grid x tokens where FP8 scales with layers x tokens. The model
+was checked against real builds on the 2-core CPU of the project (bench/RESULTS.md, "Plan estimates").
 """
 from __future__ import annotations
 
@@ -22,9 +30,70 @@ def machine_id() -> str:
     return platform.node() or "unknown"
 
 
-def work(device: str, variant: str, params: int | None = None, size: int | None = None) -> dict:
-    """What a build's time depends on: device, variant (precision, engine), parameters and size (tokens or bytes)."""
-    return {"device": device, "variant": variant, "params": params, "size": size}
+def work(device: str, variant: str, params: int | None = None, size: int | None = None,
+         passes: float | None = None) -> dict:
+    """What a build's time depends on: device, variant (precision, engine), parameters, size (tokens or bytes) and,
+    for calibration, its a-priori cost in plain forward passes (calibration_passes), which lets one precision's
+    builds predict another's."""
+    out = {"device": device, "variant": variant, "params": params, "size": size}
+    if passes is not None:
+        out["passes"] = round(passes, 3)
+    return out
+
+
+# ------------------------------------------------------------------------------------- calibration model
+# The calibration algorithm of each precision's ModelOpt preset (checked against ModelOpt's configs in the tests:
+# tests/test_newcomer.py), so that planning never imports ModelOpt.
+CALIBRATION = {"fp8": "max", "fp8_pc_pt": "max", "int8_sq": "smoothquant", "int4_awq": "awq_lite",
+               "w4a8_awq": "awq_lite", "nvfp4": "max"}
+AWQ_ALPHA_STEP = 0.1  # ModelOpt's awq_lite default (INT4_AWQ_CFG sets it explicitly)
+
+
+def awq_grid(alpha_step: float = AWQ_ALPHA_STEP) -> int:
+    """How many candidate scales awq_lite tries per layer: alpha in 0, step, ..., 1 (11 for 0.1)."""
+    return int(round(1.0 / alpha_step)) + 1
+
+
+def linear_share(config: dict | None, seq_len: int) -> float:
+    """A-priori share of a calibration forward pass spent in the decoder's linear layers: their multiply-adds per
+    token against those of attention over a causal window of seq_len (logits are skipped during calibration).
+    0.9 when the config does not say enough (typical of small and mid-size decoders at 512 tokens)."""
+    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else (config or {})
+    hidden, inter = text.get("hidden_size"), text.get("intermediate_size")
+    heads = text.get("num_attention_heads")
+    if not (isinstance(hidden, int) and isinstance(inter, int) and isinstance(heads, int) and heads > 0):
+        return 0.9
+    head_dim = text.get("head_dim") or hidden // heads
+    kv = text.get("num_key_value_heads") or heads
+    linear = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * inter  # q, o, k, v; gate, up, down
+    attention = 2 * heads * head_dim * (seq_len / 2)  # QK^T and AV over the average causal context
+    return linear / (linear + attention)
+
+
+def calibration_passes(algorithm, share: float) -> list[tuple[str, float]]:
+    """The forward passes a ModelOpt calibration algorithm makes over the calibration data, each with its a-priori
+    cost in plain forward passes. algorithm: the preset's "algorithm" entry (a name or {"method": ..., ...})."""
+    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    if method in ("awq_lite", "awq", "awq_full"):
+        step = algorithm.get("alpha_step", AWQ_ALPHA_STEP) if isinstance(algorithm, dict) else AWQ_ALPHA_STEP
+        grid = awq_grid(step)
+        passes = [("AWQ activation statistics", 1.0),
+                  (f"AWQ scale search ({grid} candidates per layer)", 1.0 + grid * share)]
+        if method != "awq_lite":
+            passes.append(("AWQ clip search", 1.0 + share))
+        return passes
+    if method == "smoothquant":
+        return [("SmoothQuant statistics", 1.0)]
+    if method is None:
+        return []
+    return [("max calibration", 1.0)]
+
+
+def precision_passes(precision: str, config: dict | None, seq_len: int) -> float | None:
+    """A precision's calibration cost in plain forward passes on a model (None: not a calibrated precision)."""
+    if precision not in CALIBRATION:
+        return None
+    return sum(w for _, w in calibration_passes(CALIBRATION[precision], linear_share(config, seq_len)))
 
 
 def record(stage: str, wall_time_s: float, cost: dict) -> dict:
@@ -45,13 +114,31 @@ class Estimate:
         return self.seconds is not None
 
 
+def _passes_of(entry: dict) -> float | None:
+    """A record's calibration passes; for records written before they were recorded, from its variant's precision
+    ("int4_awq/kv=none") with the default linear share."""
+    if entry.get("passes"):
+        return entry["passes"]
+    precision = str(entry.get("variant") or "").split("/")[0]
+    return precision_passes(precision, None, 512) if entry.get("stage") == "quantize" else None
+
+
+def _ratio(entry: dict, want: dict, dim: str) -> float:
+    have, need = (_passes_of(entry), want.get(dim)) if dim == "passes" else (entry.get(dim), want.get(dim))
+    return need / have if have and need else 1.0
+
+
 def _scale(entry: dict, want: dict) -> float:
-    factor = 1.0
-    for dim in ("size", "params"):
-        have, need = entry.get(dim), want.get(dim)
-        if have and need:
-            factor *= need / have
-    return entry["wall_time_s"] * factor
+    """entry's wall time scaled to want: linearly in size, parameters and calibration passes. Where the record knows
+    how much of it the calibration passes took (pass_seconds), only those scale with size and passes; the rest (model
+    load, setup) scales with parameters alone."""
+    params = _ratio(entry, want, "params")
+    passes = _ratio(entry, want, "passes")
+    size = _ratio(entry, want, "size")
+    in_passes = entry.get("pass_seconds")
+    if isinstance(in_passes, (int, float)) and 0 < in_passes <= entry["wall_time_s"]:
+        return (entry["wall_time_s"] - in_passes) * params + in_passes * size * params * passes
+    return entry["wall_time_s"] * size * params * passes
 
 
 def estimate(history: list[dict], stage: str, want: dict, machine: str | None = None) -> Estimate:
@@ -63,11 +150,34 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
     fitted = _fit([c for c in exact if c.get("params") == want.get("params")], want.get("size"))
     if fitted is not None:
         return fitted
-    pool, how, rough = (exact, "of this variant", False) if exact else (same, "of other variants", True)
+    if exact:
+        pool, how, rough = exact, "of this variant", False
+    elif want.get("passes"):  # another precision's calibrations, through the cost model of each
+        pool = [c for c in same if _passes_of(c)] or same
+        how, rough = f"of other variants, scaled by the calibration cost model ({want['passes']:.1f} passes)", True
+    else:
+        pool, how, rough = same, "of other variants", True
     if not pool:
         return Estimate(None, "no earlier build on this machine")
     seconds = statistics.median(_scale(c, want) for c in pool)
     return Estimate(seconds, f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, scaled linearly", rough)
+
+
+def history(store) -> list[dict]:
+    """The cost records of every build in an artifact store (what estimate() predicts from); a calibration's record
+    gains pass_seconds, the time its forward passes took (from its manifest's info)."""
+    out = []
+    for a in store.entries():
+        cost = a.manifest.get("cost") if isinstance(a.manifest, dict) else None
+        if not isinstance(cost, dict):
+            continue
+        passes = (a.manifest.get("info") or {}).get("calib_passes")
+        if isinstance(passes, list) and passes:
+            seconds = [p.get("seconds") for p in passes if isinstance(p, dict)]
+            if seconds and all(isinstance(x, (int, float)) for x in seconds):
+                cost = {**cost, "pass_seconds": round(sum(seconds), 3)}
+        out.append(cost)
+    return out
 
 
 def _fit(pool: list[dict], size: int | None) -> Estimate | None:

@@ -5,11 +5,12 @@ only interprets it and writes the run directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
-from quantlab import preflight
+from quantlab import costs, preflight, progress, rundir
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import Config
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
@@ -18,7 +19,7 @@ from quantlab.gate import checks as gate_checks
 from quantlab.graph import Executor, steps_for, targets
 from quantlab.rundir import RunResult, finish, link, set_aside_previous
 from quantlab.stages import build, evaluate
-from quantlab.step import RunContext
+from quantlab.step import RunContext, Step
 
 log = logging.getLogger("quantlab")
 
@@ -39,16 +40,36 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     start = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     set_aside_previous(run_dir)
-    record: dict = {"argv": argv, "config": config_snapshot, "versions": versions(), "git_commit": git_commit()}
-    ctx = context(cfg)
-    record["device"] = ctx.device.describe()
-    log.info("quantlab %s kv=%s engine=%s on %s (%s, %s), cache %s", ctx.precision.name, cfg.kv_cache.dtype,
-             ctx.engine.name, ctx.device.name, ctx.device.arch, str(ctx.dtype).removeprefix("torch."), ctx.store.root)
-    run = _Run(ctx, run_dir, record, start, config_snapshot, argv)
-    try:
-        return run.execute()
-    finally:
-        record["stage_seconds"] = run.executor.seconds
+    record: dict = {"run": _what_runs(cfg), "argv": argv, "config": config_snapshot, "versions": versions(),
+                    "git_commit": git_commit()}
+    rundir.start(run_dir, record)  # a run stopped by bad input, a crash or Ctrl-C still says what it was
+    with progress.run_logging(run_dir) as runlog:
+        record["log"] = str(runlog.path)
+        try:
+            ctx = context(cfg)
+            record["device"] = ctx.device.describe()
+            log.info("quantlab %s kv=%s engine=%s on %s (%s, %s), cache %s", ctx.precision.name, cfg.kv_cache.dtype,
+                     ctx.engine.name, ctx.device.name, ctx.device.arch, str(ctx.dtype).removeprefix("torch."),
+                     ctx.store.root)
+            run = _Run(ctx, run_dir, record, start, config_snapshot, argv)
+            run.runlog = runlog
+            try:
+                return run.execute()
+            finally:
+                record["stage_seconds"] = run.executor.seconds
+        except BaseException as exc:
+            rundir.stopped(run_dir, exc)  # run.json says why (bad input, a bug, Ctrl-C); the caller reports it
+            raise
+
+
+def _what_runs(cfg: Config) -> dict:
+    """run.json's "run" section from the typed config, before anything is computed (the model's name is set once
+    it is resolved; until then its path, or the embedded file)."""
+    from quantlab.engines.registry import engine_of
+    from quantlab.precisions import precision_of
+
+    model = cfg.model.path or (cfg.model.embedded.file if cfg.model.embedded else None)
+    return rundir.what_ran(precision_of(cfg.precision).name, cfg.kv_cache.dtype, engine_of(cfg.engine).name, model)
 
 
 class _Run:
@@ -58,16 +79,53 @@ class _Run:
     def __init__(self, ctx: RunContext, run_dir: Path, record: dict, start: float, snapshot: dict, argv: list[str]):
         self.ctx, self.cfg, self.run_dir, self.record, self.start = ctx, ctx.cfg, run_dir, record, start
         self.snapshot, self.argv = snapshot, argv
-        self.steps = steps_for(ctx)
+        self.steps = [self.reported(s) for s in steps_for(ctx)]
         self.executor = Executor(ctx, self.steps)
         self.provenance: dict = {}
         self.data_warnings: list[str] = []  # what the evaluation text makes of the verdict (calibration overlap)
+        self.runlog: progress.RunLog | None = None
+        self._history: list[dict] | None = None
+
+    def reported(self, step: Step) -> Step:
+        """The step with its build reported by quantlab.progress (label, ETA from earlier builds or the cost model)
+        and what libraries print while it builds or loads sent to the run's log."""
+        def build(out, r, _build=step.build):
+            expected, basis = self.expected(step, r)
+            with progress.library_output(), progress.task(step.describe or step.name, expected=expected,
+                                                          basis=basis, separate=True):
+                return _build(out, r)
+
+        def load(art, r, built, _load=step.load):
+            with progress.library_output():
+                return _load(art, r, built)
+
+        return dataclasses.replace(step, build=build if step.build is not None else None, load=load)
+
+    def expected(self, step: Step, r) -> tuple[float | None, str]:
+        """A step's a-priori seconds (quantlab.costs over the cost records of earlier builds) and where it comes
+        from; (None, "") when nothing predicts it."""
+        if step.work is None:
+            return None, ""
+        try:
+            want = step.work(r)
+            if self._history is None:
+                self._history = costs.history(self.ctx.store)
+            est = costs.estimate(self._history, step.directory, want)
+        except Exception:  # noqa: BLE001 - an estimate is advice; never fail a step over it
+            return None, ""
+        if not est.known:
+            return None, ""
+        return est.seconds, ("from other precisions' builds and the cost model" if est.rough
+                             else "from earlier builds on this machine")
 
     def execute(self) -> RunResult:
         ref = self.inputs()
         if self.executor.has("audit"):  # seconds, before any evaluation; an error stops the run (exit 1)
             report = self.executor.value("audit")
             self.record["audit"] = audit_record(report)
+            for finding in report.errors + report.warnings:  # one line each, whether audited now or reused
+                (log.error if finding.severity == "error" else log.warning)(
+                    "audit: %s [%s] %s", finding.severity, finding.check, finding.message)
             if not report.passed:
                 return self.audit_stopped(report, ref)
         run = self.executor
@@ -87,6 +145,8 @@ class _Run:
         ctx, cfg, run, record = self.ctx, self.cfg, self.executor, self.record
         ref = run.value("prepare")
         record["model"] = ref.describe()
+        record["run"]["model"] = ref.name
+        rundir.start(self.run_dir, record)
         recipe = preflight.check_inputs(run)
         limits = build.limits(run)
         limits.check(cfg.eval.batch_size, cfg.eval.seq_len)
@@ -166,6 +226,10 @@ class _Run:
 
     def finish(self, code: int, what: str, doc: dict | None = None) -> RunResult:
         run = self.executor
+        said = self.runlog.warnings.summary(self.runlog.path) if self.runlog else None
+        if said:
+            log.info("%s", said)
+            self.record["library_warnings"] = dict(self.runlog.warnings.counts)
         self.record["stage_seconds"] = run.seconds
         self.record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
         return finish(self.run_dir, self.record, self.start, code, what, doc)

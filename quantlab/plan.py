@@ -138,7 +138,8 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
     summary += f"; reused: {reused} (cache or an earlier run of this sweep)"
     lines.append(summary)
     if any(s.estimate and s.estimate.rough for s in todo):
-        lines.append("  * predicted from other precisions or engines on this machine: rough")
+        lines.append("  * predicted from other precisions or engines on this machine (calibration through each "
+                     "precision's cost model, quantlab/costs.py): rough until this variant has a build of its own")
     for s in todo:
         if s.estimate and s.estimate.known:
             log.debug("plan: %s %s: %.1f s from %s", s.stage, s.key, s.estimate.seconds, s.estimate.basis)
@@ -165,7 +166,7 @@ def make_plan(args: list[str]) -> tuple[list[RunPlan], str, ArtifactStore]:
                 cfg = OmegaConf.to_object(compose(config_name="config", overrides=job))
                 if store is None:
                     store = ArtifactStore(cfg.cache_dir)
-                    history = [a.manifest["cost"] for a in store.entries() if isinstance(a.manifest.get("cost"), dict)]
+                    history = costs.history(store)
                     device_label = costs.device_label(resolve_device(cfg.model.device))
                 plans.append(plan_run(cfg, label, history, seen))
             except QuantlabError as exc:

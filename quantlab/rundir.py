@@ -1,10 +1,13 @@
-"""The run directory: what a run leaves (RunResult), and the three things every writer of one does: set the reports
-of an earlier run aside, link what it made, and write run.json with the final line last.
+"""The run directory: what a run leaves (RunResult), and what every writer of one does: set the reports of an earlier
+run aside, say what runs in run.json from the start (`start`), link what it made, and write run.json with the final
+line last (`finish`), or the reason it stopped (`stopped`). `read_record` is how quantlab reads its own records back:
+a missing or damaged file is named, never a traceback.
 
 Both writers use it: a configuration run (quantlab.pipeline) and a search (quantlab.search.driver).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,12 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantlab.artifacts import write_json_atomic
+from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, QuantlabError
 
 log = logging.getLogger("quantlab")
 # what a run writes into its directory: a rerun into the same directory moves an earlier run's copies aside
 REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.json", "checkpoint", "traceback.txt",
                 "audit.json")
 SEARCH_FILES = ("search.json", "frontier.png", "winner", "evals")
+RUN_JSON = "run.json"
+STATUS = "status.json"  # a CLI job's exit code and error, written by quantlab.cli into its run directory
 
 
 @dataclass
@@ -70,11 +76,73 @@ def link(path: Path, target: Path) -> None:
     os.replace(tmp, path)
 
 
+def read_record(path: Path, warn: bool = True) -> tuple[dict | None, str | None]:
+    """(the JSON object in one of quantlab's own records, None) or (None, what is wrong with it): missing, not
+    readable, cut short or hand-edited into something that is not a JSON object. A damaged file is logged by name
+    (warn); the caller carries on with what it can read."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = f"unreadable ({type(exc).__name__}: {exc})"
+    else:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            problem = f"damaged: not complete JSON ({type(exc).__name__}: {str(exc)[:120]})"
+        else:
+            if isinstance(obj, dict):
+                return obj, None
+            problem = f"damaged: a JSON {type(obj).__name__}, not an object"
+    if warn:
+        log.warning("%s is %s; reading the rest of the run directory without it", path, problem)
+    return None, problem
+
+
+def what_ran(precision: str, kv_cache: str, engine: str, model: str | None) -> dict:
+    """run.json's "run" section, written before anything is computed: what the run is, so that every reader (the
+    sweep summary above all) names precision, KV cache, engine and model without parsing the config snapshot."""
+    return {"precision": precision, "kv_cache": kv_cache, "engine": engine, "model": model}
+
+
+def start(run_dir: Path, record: dict) -> None:
+    """Write run.json as the run starts (exit_code null until it ends): a run stopped by bad input, a crash or
+    Ctrl-C still says what it was."""
+    record.setdefault("exit_code", None)
+    record["started_at"] = round(time.time(), 3)
+    write_json_atomic(run_dir / RUN_JSON, record)
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code a run that raised exc ends with: 2 bad input, 130 interrupted, 3 a bug."""
+    if isinstance(exc, QuantlabError):
+        return exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_BAD_INPUT if isinstance(exc, SystemExit) and exc.code == EXIT_BAD_INPUT else EXIT_INTERNAL
+
+
+def stopped(run_dir: Path, exc: BaseException) -> None:
+    """Record in run.json why a started run ended without finishing (bad input, a crash, Ctrl-C). A run.json that
+    finish() wrote, or none at all, is left alone."""
+    path = run_dir / RUN_JSON
+    record, _ = read_record(path, warn=False)
+    if record is None or record.get("exit_code") is not None:
+        return
+    record["exit_code"] = exit_code_of(exc)
+    record["error"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else (
+        str(exc) if isinstance(exc, QuantlabError) else f"{type(exc).__name__}: {exc}")
+    if isinstance(record.get("started_at"), (int, float)):
+        record["wall_time_s"] = round(time.time() - record["started_at"], 2)
+    write_json_atomic(path, record)
+
+
 def finish(run_dir: Path, record: dict, start: float, code: int, what: str, doc: dict | None = None,
            where: str | None = None) -> RunResult:
     """Write run.json (exit code and wall time added to record) and print the run's final line."""
     record["wall_time_s"] = round(time.time() - start, 2)
     record["exit_code"] = code
-    write_json_atomic(run_dir / "run.json", record)
+    write_json_atomic(run_dir / RUN_JSON, record)
     print(f"quantlab: {what} in {record['wall_time_s']:.1f} s -> {where or run_dir}")
     return RunResult(code, run_dir, doc, record)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from quantlab import progress
 from quantlab.audit import canary as canary_checks
 from quantlab.audit import coverage, metadata, scales, weights
 from quantlab.audit import tensors as tensor_checks
@@ -74,7 +75,8 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
         run.skipped.append("canary: needs the reference model (--reference)")
     else:
         run.skipped.append("canary: turned off")
-    for name, fn in steps:
+    for i, (name, fn) in enumerate(steps, 1):
+        progress.note(f"{name} ({i}/{len(steps)})")
         t0 = time.time()
         fn(run)
         timings[name] = round(time.time() - t0, 3)

@@ -1,15 +1,16 @@
-"""Reports for reviewers: report.md (a pull-request comment) and report.html (self-contained, plots inline).
+r"""Reports for reviewers: report.md (a pull-request comment) and report.html (self-contained, plots inline).
 
 Jinja2 renders both. HTML autoescapes every value; Markdown strings go through |md (HTML-escaped, Markdown
 punctuation backslash-escaped, line breaks folded), so a model name or generated text can neither run a script
-nor add a heading, link, image or table cell to a pull-request comment.
+nor add a heading, link, image or table cell to a pull-request comment. Paths and commands go through |shell
+(quoted as bash reads them, hostile characters as $'\xNN' escapes) and |code (a code span, or escaped text when
+a code span could not hold the value safely): no raw HTML from a name reaches any Markdown file.
 """
 from __future__ import annotations
 
 import html
 import logging
 import re
-import shlex
 from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
@@ -32,6 +33,38 @@ def md_escape(value) -> str:
     return _MD_SPECIAL.sub(r"\\\1", html.escape(text, quote=False))
 
 
+_SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+_SHELL_PLAIN = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_@%+=:,./- ~#*?[]{}()!^;")
+
+
+def _plain(ch: str) -> bool:
+    return ch in _SHELL_PLAIN or (ord(ch) > 127 and ch.isprintable() and ch not in "\u2028\u2029")
+
+
+def shell_quote(value) -> str:
+    r"""One argument for a command shown in a report, as bash reads it back: bare when safe, in single quotes when
+    only quotes are needed, else ANSI-C quoted ($'...') with every other character as a \xNN byte escape, so
+    the text itself holds no <, >, &, backtick, | or line break (nothing a Markdown or HTML reader could act on)
+    and pasting it still runs the same command."""
+    text = "" if value is None else str(value)
+    if text and _SHELL_SAFE.match(text):
+        return text
+    if all(_plain(ch) for ch in text):
+        return "'" + text + "'"
+    return "$'" + "".join(ch if _plain(ch) else "".join(f"\\x{b:02x}" for b in ch.encode("utf-8"))
+                          for ch in text) + "'"
+
+
+def code_span(value) -> str:
+    """A Markdown code span of value, or, when it holds what a code span cannot show safely everywhere (HTML
+    brackets, &, |, backticks, line breaks), the value as escaped text (md_escape), which renders the same
+    characters."""
+    text = "" if value is None else str(value)
+    if text and not re.search(r"[<>&|`\x00-\x1f\x7f\u2028\u2029]", text):
+        return f"`{text}`"
+    return md_escape(text)
+
+
 def fence_escape(value) -> str:
     """A string for the inside of a ``` block: one line, no backtick that could close the fence."""
     text = "" if value is None else str(value)
@@ -46,6 +79,8 @@ def environment() -> Environment:
     env.filters["num"] = fmt
     env.filters["md"] = md_escape
     env.filters["fence"] = fence_escape
+    env.filters["shell"] = shell_quote
+    env.filters["code"] = code_span
     return env
 
 
@@ -57,7 +92,7 @@ def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
             "design": gate.get("design"), "behaviour": doc.get("behaviour"), "buckets": doc.get("buckets"),
             "attribution": doc.get("attribution"), "generation": doc.get("generation"),
             "table_metrics": TABLE_METRICS, "definitions": {k: v.definition for k, v in METRICS.items()},
-            "argv": " ".join(shlex.quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}
+            "argv": " ".join(shell_quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}
 
 
 def write_run_reports(run_dir: Path, doc: dict, kl_values, weight_rows: list[dict]) -> dict:

@@ -1,100 +1,199 @@
-"""Sweep summary: one row per run, a recommendation, and quality vs size with the Pareto front.
+"""Sweep summary: one row per run (stopped runs included, with their reason), the ship candidate, and quality vs
+size with the Pareto front.
 
-Written by a Hydra callback when a multirun ends, and rebuildable from any run directories (made on any
-machine) with `python -m quantlab.summary DIR [DIR ...]`.
+Written by a Hydra callback when a multirun ends, and rebuildable from any run directories (made on any machine)
+with `python -m quantlab.summary DIR [DIR ...]`. Each row says what ran from what the run recorded: run.json's "run"
+section (written before anything is computed), else metrics.json's, else the recipe, else the config groups Hydra
+recorded for the job (a job stopped before quantlab wrote anything). A damaged record is named in the row's notes
+and on stderr; the other files of the run, and the other runs, are still read.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 from quantlab.artifacts import write_json_atomic, write_text_atomic
-from quantlab.errors import EXIT_INTERNAL
+from quantlab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK
 from quantlab.report.plots import pareto, pareto_front
 from quantlab.report.render import environment
+from quantlab.rundir import RUN_JSON, STATUS, read_record
 
-STATUS = "status.json"  # a run's exit code, written by the CLI into its run directory
+log = logging.getLogger("quantlab")
+WHAT = ("precision", "kv_cache", "engine", "model")  # what every row names
+STOPPED = {EXIT_BAD_INPUT: "BAD INPUT", EXIT_INTERNAL: "ERROR", EXIT_INTERRUPTED: "INTERRUPTED"}
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
 
 
 def exit_codes(sweep_dir: Path) -> list[int]:
     """Exit code of every job of a sweep, read from each job's status.json (jobs may have run in other processes:
-    joblib, submitit); a job that left none crashed before writing it."""
+    joblib, submitit); a job that left none, or a damaged one, crashed before writing it."""
     codes = []
-    for job in (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
-        status = job / STATUS
+    for job in _job_dirs(sweep_dir):
+        status, _ = read_record(job / STATUS)
         try:
-            codes.append(int(json.loads(status.read_text())["exit_code"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            codes.append(int(status["exit_code"]))
+        except (TypeError, KeyError, ValueError):
             codes.append(EXIT_INTERNAL)
     return codes
 
-log = logging.getLogger("quantlab")
+
+def _is_run(path: Path) -> bool:
+    return any((path / name).is_file() for name in (RUN_JSON, STATUS)) or (path / ".hydra").is_dir()
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
-    """Run directories (holding run.json) among paths and their immediate children."""
+    """Run directories among paths and their immediate children: those with run.json or status.json, and Hydra job
+    directories (a job stopped before quantlab wrote anything still is a row)."""
     runs = []
     for p in paths:
-        if (p / "run.json").is_file():
+        if _is_run(p):
             runs.append(p)
         elif p.is_dir():
-            runs += sorted(c for c in p.iterdir() if (c / "run.json").is_file())
+            runs += sorted(c for c in p.iterdir() if c.is_dir() and _is_run(c))
     return runs
 
 
-def _row(run_dir: Path) -> dict:
-    record = json.loads((run_dir / "run.json").read_text())
-    metrics_file = run_dir / "metrics.json"
-    doc = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
-    cfg = record.get("config", {})
-    ckpt = record.get("artifacts", {}).get("export", {})
-    ref_path = Path(record.get("artifacts", {}).get("prepare", {}).get("path", "/nonexistent"))
+def _hydra_choices(run_dir: Path) -> dict:
+    """The config groups Hydra recorded for a job (.hydra/hydra.yaml): what it was asked to run."""
+    path = run_dir / ".hydra" / "hydra.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        choices = doc["hydra"]["runtime"]["choices"]
+        return {k: str(v) for k, v in choices.items()} if isinstance(choices, dict) else {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        log.warning("%s is damaged; the run's row may not name what it ran", path)
+        return {}
+
+
+def _what_ran(run_dir: Path, record: dict, doc: dict) -> dict:
+    """precision, kv_cache, engine, model: from the first record that has each."""
+    recipe = record.get("recipe") or {}
+    recorded = [record.get("run") or {}, doc.get("run") or {},
+                {"precision": (recipe.get("precision") or {}).get("name"), "kv_cache": recipe.get("kv_cache"),
+                 "engine": (record.get("engine") or {}).get("name"), "model": (record.get("model") or {}).get("name")}]
+    choices = _hydra_choices(run_dir) if any(not all(r.get(k) for r in recorded) for k in WHAT) else {}
+    recorded.append({k: choices.get(k) for k in ("precision", "kv_cache", "engine")})
+    out = {}
+    for key in WHAT:
+        value = next((r[key] for r in recorded if isinstance(r, dict) and r.get(key)), None)
+        out[key] = str(value) if value is not None else ("?" if key != "model" else None)
+    return out
+
+
+def _first_line(text) -> str:
+    return str(text or "").strip().splitlines()[0] if str(text or "").strip() else ""
+
+
+def _verdict(run_dir: Path, record: dict, status: dict, doc: dict) -> tuple[str, str | None, list[str]]:
+    """(verdict, the reason a run stopped or failed, failed checks)."""
+    if doc.get("gate"):
+        failed = [c.get("name", "?") for c in doc["gate"].get("checks", []) if not c.get("passed")]
+        passed = doc["gate"].get("passed")
+        return ("PASS" if passed else "FAIL"), (None if passed else "gate: " + "; ".join(failed)), failed
+    audit = record.get("audit") or {}
+    if audit.get("passed") is False:
+        errors = [f for f in audit.get("findings", []) if f.get("severity") == "error"]
+        reason = "; ".join(f"[{f.get('check')}] {f.get('message')}" for f in errors[:2])
+        failed = [f"audit.{f.get('check')}" for f in errors]
+        return "AUDIT FAIL", f"checkpoint audit: {reason}; nothing evaluated", failed
+    code = record.get("exit_code", status.get("exit_code"))
+    code = status.get("exit_code", code) if code is None else code
+    error = record.get("error") or status.get("error")
+    if code in STOPPED:
+        reason = _first_line(error) or "no reason recorded"
+        if code == EXIT_INTERNAL and (run_dir / "traceback.txt").is_file():
+            reason += f" (traceback: {run_dir / 'traceback.txt'})"
+        elif code == EXIT_BAD_INPUT and "fix:" in str(error or ""):
+            reason += "; fix: " + str(error).split("fix:", 1)[1].strip()
+        return STOPPED[code], reason, []
+    if code is None:
+        return "INCOMPLETE", "no exit code recorded: the run is still going, or its process was killed", []
+    stop_after = ((record.get("config") or {}).get("stop_after"))
+    if code == EXIT_OK:
+        return "NOT EVALUATED", (f"stop_after={stop_after}" if stop_after else "no metrics.json"), []
+    if code == EXIT_GATE_FAILED:
+        return "FAIL", _first_line(error) or "exit 1 without metrics.json", []
+    return "ERROR", f"exit code {code}", []
+
+
+def _size(record: dict) -> tuple[int | None, float | None]:
+    artifacts = record.get("artifacts") or {}
+    size = (artifacts.get("export") or {}).get("safetensors_bytes")
+    ref_path = Path((artifacts.get("prepare") or {}).get("path") or "/nonexistent")
     ref_bytes = sum(p.stat().st_size for p in ref_path.glob("*.safetensors")) if ref_path.is_dir() else None
-    size = ckpt.get("safetensors_bytes")
-    row = {"run_dir": str(run_dir.resolve()), "name": run_dir.name,
-           "precision": (cfg.get("precision") or {}).get("name", "?"),
-           "kv_cache": cfg.get("kv_cache", {}).get("dtype", "?"),
-           "engine": cfg.get("engine", {}).get("name", "?"), "size_bytes": size,
-           "size_vs_reference": (size / ref_bytes) if size and ref_bytes else None,
-           "wall_time_s": record.get("wall_time_s"), "exit_code": record.get("exit_code")}
-    row["label"] = f"{row['precision']}/kv-{row['kv_cache']}"
-    if doc:
-        m = doc["metrics"]
-        row.update(top1_agreement=m["top1_agreement"]["value"], ppl_ratio=m["ppl_ratio"]["value"],
-                   ppl_ratio_ci=m["ppl_ratio"].get("ci95"), kl_mean=m["kl_mean"]["value"],
-                   verdict="PASS" if doc["gate"]["passed"] else "FAIL",
-                   failed=[c["name"] for c in doc["gate"]["checks"] if not c["passed"]])
-    else:
-        audit = record.get("audit") or {}
-        if audit.get("passed") is False:
-            row.update(verdict="AUDIT FAIL", failed=[f"audit.{f['check']}" for f in audit.get("findings", [])
-                                                     if f.get("severity") == "error"])
-        else:
-            row.update(verdict="ERROR" if record.get("exit_code") else "NOT EVALUATED", failed=[])
+    size = size if isinstance(size, (int, float)) and size > 0 else None
+    return size, (size / ref_bytes if size and ref_bytes else None)
+
+
+def _metric(doc: dict, name: str, field: str = "value"):
+    """A metric's value (or interval) from metrics.json; None when absent or not a number (a hand-edited file)."""
+    metrics = doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {}
+    entry = metrics.get(name) if isinstance(metrics.get(name), dict) else {}
+    value = entry.get(field)
+    if isinstance(value, list):
+        return value if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _row(run_dir: Path) -> dict:
+    notes = []
+    files = {}
+    for name in (RUN_JSON, STATUS, "metrics.json"):
+        obj, problem = read_record(run_dir / name)
+        files[name] = obj or {}
+        if problem and problem != "missing":
+            notes.append(f"{name} is {problem}")
+    record, status, doc = files[RUN_JSON], files[STATUS], files["metrics.json"]
+    row = {"run_dir": str(run_dir.resolve()), "name": run_dir.name, **_what_ran(run_dir, record, doc)}
+    row["label"] = f"{row['precision']} · kv {row['kv_cache']} · {row['engine']}"
+    row["size_bytes"], row["size_vs_reference"] = _size(record)
+    row["wall_time_s"] = record.get("wall_time_s")
+    row["verdict"], row["reason"], row["failed"] = _verdict(run_dir, record, status, doc)
+    row["exit_code"] = record.get("exit_code", status.get("exit_code"))
+    row.update(top1_agreement=_metric(doc, "top1_agreement"), ppl_ratio=_metric(doc, "ppl_ratio"),
+               ppl_ratio_ci=_metric(doc, "ppl_ratio", "ci95"), kl_mean=_metric(doc, "kl_mean"), pareto=False,
+               notes=notes, stopped=row["verdict"] in (*STOPPED.values(), "AUDIT FAIL", "INCOMPLETE"))
     return row
 
 
 def recommend(rows: list[dict]) -> dict | None:
-    """Smallest passing checkpoint on the Pareto front; ties go to the lower perplexity ratio."""
-    passing = [r for r in rows if r["verdict"] == "PASS" and r.get("size_bytes")]
+    """Smallest passing checkpoint on the Pareto front; ties go to the lower perplexity ratio. Stopped runs and runs
+    without a size or perplexity ratio are never candidates."""
+    passing = [r for r in rows if r["verdict"] == "PASS" and r.get("size_bytes") and r.get("ppl_ratio") is not None]
     if not passing:
         return None
     front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in passing])
     return min((passing[i] for i in front), key=lambda r: (r["size_bytes"], r["ppl_ratio"]))
 
 
-def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
-    """summary.md, summary.html and summary.json of run directories: one row per run, the recommendation, the plot."""
+def summary_rows(run_dirs: list[Path]) -> list[dict]:
+    """One row per run directory (every key present in every row), sorted by size, stopped runs last."""
     rows = [_row(d) for d in run_dirs]
-    rows.sort(key=lambda r: (r["size_bytes"] or 0, r["label"]))
-    evaluated = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
+    rows.sort(key=lambda r: (r["size_bytes"] is None, r["size_bytes"] or 0, r["label"], r["name"]))
+    evaluated = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio") is not None]
     front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in evaluated])
     for i, r in enumerate(evaluated):
         r["pareto"] = i in front
-    ctx = {"rows": rows, "best": recommend(rows), "plot": pareto(rows), "out_dir": str(out_dir)}
+    return rows
+
+
+def write_summary(out_dir: Path, run_dirs: list[Path], rows: list[dict] | None = None) -> tuple[Path, Path]:
+    """summary.md, summary.html and summary.json of run directories: one row per run, the recommendation, the plot
+    (rows: summary_rows(run_dirs), when the caller has them already)."""
+    rows = summary_rows(run_dirs) if rows is None else rows
+    models = sorted({r["model"] for r in rows if r["model"]})
+    ctx = {"rows": rows, "best": recommend(rows), "plot": pareto(rows), "out_dir": str(out_dir),
+           "stopped": [r for r in rows if r["stopped"]], "models": models,
+           "damaged": [(r["name"], n) for r in rows for n in r["notes"]]}
     env = environment()
     out_dir.mkdir(parents=True, exist_ok=True)
     md, html = out_dir / "summary.md", out_dir / "summary.html"
@@ -104,13 +203,25 @@ def write_summary(out_dir: Path, run_dirs: list[Path]) -> tuple[Path, Path]:
     return md, html
 
 
+def headline(rows: list[dict]) -> str:
+    """The summary's one line for the console: the ship candidate (precision, KV cache, engine) or none."""
+    best = recommend(rows)
+    stopped = sum(r["stopped"] for r in rows)
+    tail = f"; {stopped} stopped before a verdict" if stopped else ""
+    if best is None:
+        return f"no run passed its gates{tail}"
+    return (f"ship candidate {best['precision']}, KV cache {best['kv_cache']}, engine {best['engine']} "
+            f"({best['name']}: {best['size_bytes'] / 2**20:.1f} MiB, ppl ratio {best['ppl_ratio']:.3f}){tail}")
+
+
 class SweepSummary(Callback):
     """Hydra callback: after a multirun, summarize every run of the sweep (the CLI reads the jobs' exit codes)."""
 
     def on_multirun_end(self, config, **_kwargs) -> None:
         """Write the sweep's summary once every job has ended."""
         sweep_dir = Path(config.hydra.sweep.dir)
-        runs = find_runs([sweep_dir])
+        runs = find_runs([sweep_dir]) if sweep_dir.is_dir() else []
         if runs:
-            md, html = write_summary(sweep_dir, runs)
-            print(f"quantlab: sweep summary of {len(runs)} runs -> {html}")
+            rows = summary_rows(runs)
+            _md, html = write_summary(sweep_dir, runs, rows)
+            print(f"quantlab: sweep summary of {len(runs)} runs: {headline(rows)} -> {html}")

@@ -40,8 +40,6 @@ def step(ctx: RunContext) -> Step:
         counts = report.summary()
         log.info("audit: %s (%d error(s), %d warning(s)) in %.1f s", "PASS" if report.passed else "FAIL",
                  counts["error"], counts["warning"], report.timings.get("total", 0.0))
-        for finding in report.errors:
-            log.error("audit: [%s] %s", finding.check, finding.message)
         return {"passed": report.passed, "summary": counts}
 
     def load(art, _r, _built):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantlab import costs
+from quantlab import costs, progress
 from quantlab.artifacts import ArtifactStore, Built
 from quantlab.config import EvalConfig
 from quantlab.engines.base import Limits
@@ -113,7 +113,8 @@ def reference_arrays(engine, tokens, cfg: EvalConfig, prompts=None) -> dict:
     import torch
 
     hidden, nll, argmax, router = [], [], [], []
-    for lo in range(0, tokens.shape[0], cfg.batch_size):
+    for lo in progress.iterate(range(0, tokens.shape[0], cfg.batch_size), "reference", tokens.shape[0], "windows",
+                               cfg.batch_size):
         batch = tokens[lo: lo + cfg.batch_size]
         if lo == 0 and hasattr(engine, "verify_head"):
             engine.verify_head(batch[:1, : min(batch.shape[1], 64)])
@@ -240,7 +241,8 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
         engine.verify_head(tokens[:1, : min(tokens.shape[1], 64)])
     fields: dict[str, list] = {k: [] for k in POSITION_FIELDS}
     router: list = []
-    for blo in range(0, tokens.shape[0], cfg.batch_size):
+    for blo in progress.iterate(range(0, tokens.shape[0], cfg.batch_size), "candidate", tokens.shape[0], "windows",
+                                cfg.batch_size):
         batch = tokens[blo: blo + cfg.batch_size]
         out = _oom_guard(lambda batch=batch: engine.forward(batch), cfg.batch_size)
         if out.router is not None and "router" in ref_block:

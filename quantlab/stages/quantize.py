@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantlab import costs
+from quantlab import costs, progress
 from quantlab.artifacts import Artifact, Built
 from quantlab.checkpoint import tensor_index
 from quantlab.env import Device, versions
@@ -91,10 +91,13 @@ def decode_state(obj):
 # ---------------------------------------------------------------------------------------- stage
 def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Device, dtype, device_map=None,
               full_logits: bool = False):
-    """Load the reference model and run ModelOpt calibration; returns (model, info)."""
+    """Load the reference model and run ModelOpt calibration; returns (model, info). Progress is reported per pass,
+    batch and decoder layer (quantlab.progress), with an ETA from the passes' measured rates and the cost model."""
+    progress.note("importing NVIDIA ModelOpt")
     import modelopt.torch.quantization as mtq
     import torch
 
+    progress.note(f"loading {ref.name}")
     model = load_model(ref, device, dtype, device_map)
     batches = list(torch.split(calib.tokens, req.batch_size))
     counter = {"batches": 0}
@@ -104,25 +107,38 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
     # position but the last, which on a 49K vocabulary are ~20% of the forward pass and most of its memory.
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     keep = {"logits_to_keep": 1} if takes_keep and not full_logits else {}
+    layers = decoder_layers(model, ref.config)
+    passes = costs.calibration_passes(req.modelopt_cfg.get("algorithm"), costs.linear_share(ref.config, calib.seq_len))
+    tracker = progress.PassProgress(passes, len(batches), len(layers))
+
+    pass_start = [0.0]
 
     def forward_loop(m):
-        start = time.time()
-        with torch.no_grad():
+        tracker.begin_pass()
+        pass_start[0] = time.time()
+        with torch.no_grad(), layer_hooks(layers, tracker):
             for i, batch in enumerate(batches, 1):
+                tracker.at(i, 0)
                 m(batch.to(first), use_cache=False, **keep)
                 counter["batches"] += 1
                 if i == len(batches) or i % max(1, len(batches) // 4) == 0:
-                    log.info("  calibration batch %d/%d (%.1f s)", i, len(batches), time.time() - start)
+                    log.info("  calibration batch %d/%d of pass %d/%d, %s (%.1f s into the pass)", i, len(batches),
+                             tracker.index + 1, len(tracker.passes), tracker.name, time.time() - pass_start[0])
+        tracker.end_pass()
         if "experts" in counter:
             counter["experts"].first_pass_done = True
 
-    log.info("quantize: calibrating %s with %d x %d tokens", req.recipe["precision"]["name"], calib.num_windows,
-             calib.seq_len)
+    name = req.recipe["precision"]["name"]
+    log.info("quantize: calibrating %s with %d x %d tokens in batches of %d: %s", name, calib.num_windows,
+             calib.seq_len, req.batch_size, ", then ".join(p for p, _ in passes) or "no data pass")
     start = time.time()
-    with expert_token_counts(model) as experts:
+    with progress.task(f"calibrating {name}", eta=tracker.eta) as task, expert_token_counts(model) as experts:
+        tracker.task = task
         counter["experts"] = experts
         mtq.quantize(model, req.modelopt_cfg, forward_loop)
-    info = {"calib_forward_batches": counter["batches"], "calib_seconds": round(time.time() - start, 2)}
+    info = {"calib_forward_batches": counter["batches"], "calib_seconds": round(time.time() - start, 2),
+            "calib_passes": [{"pass": n, "passes_a_priori": round(w, 3), "seconds": round(t, 2)}
+                             for (n, w), t in zip(tracker.passes, tracker.seconds, strict=False)]}
     if experts:
         info["expert_tokens"] = dict(experts)
         starved = {layer: [e for e, n in enumerate(counts) if n < MIN_EXPERT_TOKENS]
@@ -136,6 +152,34 @@ def calibrate(ref: ModelRef, calib: TokenSet, req: QuantizeRequest, device: Devi
                         "; ".join(f"{layer} {ids}" for layer, ids in starved.items()))
     log.info("quantize: done in %.1f s (%d forward batches)", info["calib_seconds"], counter["batches"])
     return model, info
+
+
+def decoder_layers(model, config: dict) -> list:
+    """The model's decoder layers in order (the ModuleList as long as the config's num_hidden_layers); [] when none
+    is found (progress is then per batch)."""
+    import torch
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = text.get("num_hidden_layers") or text.get("n_layer")
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    lists.sort(key=lambda item: (not item[0].endswith("layers"), item[0].count(".")))
+    return list(lists[0][1]) if lists else []
+
+
+@contextmanager
+def layer_hooks(layers: list, tracker: progress.PassProgress):
+    """Forward pre-hooks that tell the tracker which decoder layer the current batch has reached."""
+    def hook(index):
+        def pre(_module, _args):
+            tracker.at(tracker.batch, index)
+        return pre
+
+    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 MIN_EXPERT_TOKENS = 16  # an expert routed fewer calibration tokens than this is reported
@@ -283,9 +327,10 @@ def step(ctx: RunContext) -> Step:
                           built.value if built else None)
 
     def work(r) -> dict:
-        calib = r.value("data:calib")
-        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), r.value("prepare").num_params,
-                          calib.num_windows * calib.seq_len)
+        calib, ref = r.value("data:calib"), r.value("prepare")
+        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), ref.num_params,
+                          calib.num_windows * calib.seq_len,
+                          passes=costs.precision_passes(ctx.precision.name, ref.config, calib.seq_len))
 
     def manifest(r) -> dict:
         return {"recipe": request(r).recipe, "model": r.fingerprint("prepare"), "calib": r.fingerprint("data:calib"),

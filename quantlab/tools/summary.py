@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from quantlab.errors import QuantlabError, cli_guard
-from quantlab.report.sweep import find_runs, write_summary
+from quantlab.report.sweep import find_runs, headline, summary_rows, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,14 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         raise QuantlabError(f"not a directory: {', '.join(missing)}", fix="give run directories or a sweep directory")
     runs = find_runs(args.dirs)
     if not runs:
-        raise QuantlabError(f"no run directories (with run.json) under {', '.join(map(str, args.dirs))}",
+        raise QuantlabError(f"no run directories (with run.json or status.json) under {', '.join(map(str, args.dirs))}",
                             fix="give the directories quantlab wrote (outputs/... or a sweep directory)")
     out = args.out or args.dirs[0]
     probe = out if out.exists() else out.parent
     if (out.exists() and not out.is_dir()) or not os.access(probe if probe.exists() else Path.cwd(), os.W_OK):
         raise QuantlabError(f"cannot write the summary into {out}", fix="give --out a writable directory")
-    md, html = write_summary(out, runs)
-    print(f"quantlab: summary of {len(runs)} runs -> {html}")
+    rows = summary_rows(runs)
+    _md, html = write_summary(out, runs, rows)
+    print(f"quantlab: summary of {len(runs)} runs: {headline(rows)} -> {html}")
     return 0
 
 
