@@ -43,6 +43,6 @@ Bounds were set from healthy exports of every precision (tiny test models and Sm
 with a wide margin below the worst healthy value; the damage the audit exists for lands far outside them.
 """
 from quantlab.audit.checks import audit, open_checkpoint
-from quantlab.audit.report import AUDIT_SCHEMA, AuditReport, Finding
+from quantlab.audit.report import AUDIT_SCHEMA, AuditReport, Finding, abbreviate
 
-__all__ = ["AUDIT_SCHEMA", "AuditReport", "Finding", "audit", "open_checkpoint"]
+__all__ = ["AUDIT_SCHEMA", "AuditReport", "Finding", "abbreviate", "audit", "open_checkpoint"]
