@@ -34,7 +34,7 @@ families)
   python bench/audit_healthy.py models --out $W/fam > $W/fam/models.log 2>&1
   for i in 0 1 2 3 4 5; do
     OMP_NUM_THREADS=2 timeout ${BUILD_S:-280} python bench/audit_healthy.py build --grid families \
-      --sizes ${SIZES:-8x64,32x256} --seeds ${SEEDS:-0,1} --shard $i/6 --out $W/fam > $W/fam/build-$i.log 2>&1 &
+      --shard $i/6 --out $W/fam > $W/fam/build-$i.log 2>&1 &
   done
   wait
   timeout ${MEASURE_S:-250} python bench/audit_healthy.py measure --out $W/fam --device cpu --jobs 14 --threads 1 \

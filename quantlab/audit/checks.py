@@ -65,7 +65,7 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     the input cannot be audited at all."""
     from quantlab.env import resolve_device, resolve_dtype
 
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     if canary_windows < 1 or canary_tokens < 2:
         raise QuantlabError(f"a canary of {canary_windows} window(s) x {canary_tokens} token(s) is empty",
                             fix="use at least 1 window of 2 tokens, or turn the canary off")
@@ -76,6 +76,7 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     timings: dict[str, float] = {"setup": 0.0}
     run = AuditState(ckpt, quant, config, tensors, ref, device, dtype, views)
     timings["setup"] = round(time.time() - start, 3)
+    cpu = {"setup": round(time.process_time() - cpu_start, 3)}
     steps = [("index", index.check_index), ("declarations", declarations.check_declarations),
              ("metadata", metadata.check_metadata), ("tokenizer", tokenizer_checks.check_tokenizer),
              ("coverage", coverage.check_coverage), ("head", head.check_head), ("scales", scales.check_scales),
@@ -93,9 +94,10 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     else:
         run.skipped.append("canary: turned off")
     for name, fn in steps:
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         fn(run)
         timings[name] = round(time.time() - t0, 3)
+        cpu[name] = round(time.process_time() - c0, 3)
     if ref is None:
         run.add(INFO, "weights", [], "no reference model given: dequantized weights, dropped tensors against the "
                 "reference, tokenizer / config changes and the logits canary were not checked",
@@ -103,5 +105,6 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings = sorted(run.findings, key=lambda f: (order[f.severity], CHECKS.index(f.check)))
     timings["total"] = round(time.time() - start, 3)
+    cpu["total"] = round(time.process_time() - cpu_start, 3)
     return AuditReport(str(ckpt), str(ref.path) if ref else None, quant.quant_algo, quant.kv_cache_quant_algo,
-                       findings, timings, run.layers, run.activations, run.canary, run.skipped)
+                       findings, timings, run.layers, run.activations, run.canary, run.skipped, cpu)

@@ -54,6 +54,7 @@ class AuditReport:
     activations: list[dict] = field(default_factory=list)  # module, kind, format, observed, covered, ratio
     canary: dict | None = None  # windows, tokens, positions, top1, kl_mean, kl_p99, nll ratio, bounds, seconds
     skipped: list[str] = field(default_factory=list)  # checks not run, with why
+    cpu_timings: dict[str, float] = field(default_factory=dict)  # CPU seconds (all threads) per check, and "total"
 
     @property
     def errors(self) -> list[Finding]:
@@ -80,12 +81,13 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         """The report as plain JSON types (audit.json, --json): schema, checkpoint, reference, quant_algo,
-        kv_cache_quant_algo, passed, summary, findings, timings, layers, activations, canary, skipped."""
+        kv_cache_quant_algo, passed, summary, findings, timings, layers, activations, canary, skipped,
+        cpu_timings."""
         return {"schema": AUDIT_SCHEMA, "checkpoint": self.checkpoint, "reference": self.reference,
                 "quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
                 "passed": self.passed, "summary": self.summary(), "findings": [f.to_dict() for f in self.findings],
                 "timings": self.timings, "layers": self.layers, "activations": self.activations,
-                "canary": self.canary, "skipped": self.skipped}
+                "canary": self.canary, "skipped": self.skipped, "cpu_timings": self.cpu_timings}
 
     @classmethod
     def from_dict(cls, d: dict) -> AuditReport:
@@ -97,7 +99,7 @@ class AuditReport:
         return cls(d["checkpoint"], d.get("reference"), d.get("quant_algo"), d.get("kv_cache_quant_algo"),
                    [Finding.from_dict(f) for f in d.get("findings", [])], dict(d.get("timings", {})),
                    list(d.get("layers", [])), list(d.get("activations") or []), d.get("canary"),
-                   list(d.get("skipped", [])))
+                   list(d.get("skipped", [])), dict(d.get("cpu_timings") or {}))
 
     def render(self, show_info: bool = True) -> str:
         """Plain text for a terminal: findings grouped by severity, each with its modules and likely cause."""
