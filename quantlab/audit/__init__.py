@@ -28,7 +28,7 @@ The checks, in the order they run (each timed, wall and CPU; tensors are streame
 - head         a quantized embedding; a tied model's stored output head quantized, or drifted in dtype or value.
 - scales       every scale tensor finite, positive, not underflowed.
 - kv_cache     k_scale / v_scale for every attention module when the KV cache is declared FP8, not all 1.0.
-- probe        with a reference: one forward of the reference on 4 x 128 held-out tokens, observed by hooks
+- probe        with a reference: one forward of the reference on the canary's 2 x 128 held-out tokens, observed by hooks
                (quantlab.audit.probe): each static input / KV scale applied to the activations it quantizes, the
                norm whose output IS each Linear's input, the canary's reference logits.
 - format       each quantized layer read by the QLAYERS class of its declared format (dtype, shapes, tensors).

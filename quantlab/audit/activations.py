@@ -54,16 +54,16 @@ class Static:
     pre_quant_scale: object = None  # FloatTensor [in] or None
 
     def qdq(self, x, scale: float):
-        """x quantized and dequantized the way the format does it with this scale (x float32)."""
+        """x quantized and dequantized the way the format does it with this scale (x float32; a new tensor)."""
         import torch
 
         if self.algo == "W8A8_SQ_PER_CHANNEL":
-            return (x / scale).round().clamp(-128, 127) * scale
+            return (x / scale).round_().clamp_(-128, 127).mul_(scale)
         if self.algo == "NVFP4":
             from quantlab.engines.qlayers import nvfp4_qdq
 
             return nvfp4_qdq(x, torch.tensor(scale, dtype=torch.float32, device=x.device))
-        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+        return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().mul_(scale)
 
 
 class Tally:
@@ -76,15 +76,20 @@ class Tally:
 
     def add(self, x, smoothing) -> None:
         """One call's input (smoothing: the per-input-channel scale the GEMM's input is multiplied by, or None)."""
-        x = x.detach().float()
+        x = x.detach().float().reshape(-1, x.shape[-1])
         if smoothing is not None and smoothing.shape[-1] == x.shape[-1]:
             x = x * smoothing.to(x.device)
-        amax = float(x.abs().max()) if x.numel() else 0.0
+        flat = x.reshape(-1)
+        amax = float(flat.abs().max()) if flat.numel() else 0.0
         self.amax = max(self.amax, amax)
-        self.signal += float((x * x).sum())
-        self.error += float(((x - self.spec.qdq(x, self.spec.scale)) ** 2).sum())
+        self.signal += float(flat @ flat)
+        self.error += _squared_error(flat, self.spec.qdq(x, self.spec.scale).reshape(-1))
         if amax > 0:
-            self.ideal += float(((x - self.spec.qdq(x, amax / self.spec.qmax)) ** 2).sum())
+            self.ideal += _squared_error(flat, self.spec.qdq(x, amax / self.spec.qmax).reshape(-1))
+
+    def merge(self, other: Tally) -> None:
+        """Take another tally's sums (the same input, the same quantization: q/k/v of one layer)."""
+        self.signal, self.error, self.ideal, self.amax = other.signal, other.error, other.ideal, other.amax
 
     def row(self) -> dict:
         """The tally's figures: SQNR with the stored scale and with the best one (dB), their difference, the ratio
@@ -95,6 +100,11 @@ class Tally:
                 "ratio": _finite(self.amax / reach) if reach > 0 else None, "sqnr_db": sqnr, "best_sqnr_db": best,
                 "loss_db": round(best - sqnr, 3) if sqnr is not None and best is not None else None,
                 "smoothing": self.smoothing}
+
+
+def _squared_error(x, q) -> float:
+    q.sub_(x)
+    return float(q @ q)
 
 
 def _db(signal: float, error: float) -> float | None:

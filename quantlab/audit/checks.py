@@ -17,8 +17,6 @@ from quantlab.checkpoint import CheckpointTensors, QuantConfig, read_quant_confi
 from quantlab.errors import QuantlabError
 from quantlab.models import ModelRef
 
-PROBE_WINDOWS = 4  # windows of the reference's probe forward (canary_tokens each): 512 tokens by default
-
 
 def _reference(reference) -> Any:
     """A ModelRef for the reference: given, or built from a directory with prepare's checks (a causal LM,
@@ -82,9 +80,8 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
              ("coverage", coverage.check_coverage), ("head", head.check_head), ("scales", scales.check_scales),
              ("kv_cache", scales.check_kv_cache)]
     if ref is not None:  # one short reference forward: activations, norm -> Linear relation, the canary's logits
-        windows = max(canary_windows, PROBE_WINDOWS)  # the canary reads its windows' logits from the first ones
-        steps.append(("probe", lambda a: setattr(a, "probe", run_probe(
-            a, windows, canary_tokens, activations.input_specs(a), activations.kv_specs(a)))))
+        steps.append(("probe", lambda a: setattr(a, "probe", run_probe(  # on the canary's windows: one forward
+            a, canary_windows, canary_tokens, activations.input_specs(a), activations.kv_specs(a)))))
     steps += [("format_weights", weights.check_layers), ("activations", activations.check_activations),
               ("tensors", tensor_checks.check_tensors)]
     if canary and ref is not None:

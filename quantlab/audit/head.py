@@ -29,9 +29,7 @@ def check_head(a: AuditState) -> None:
                   "every token starts from a wrong vector",
                   fix="keep the embedding in the model's dtype: exclude it from quantization (ModelOpt's recipes "
                   "do) and re-export")
-    tied = lay.tie_word_embeddings and lay.head is None or (lay.tie_word_embeddings and
-                                                             f"{lay.head}.weight" not in lay.expected)
-    if not tied:
+    if not lay.tie_word_embeddings or (lay.head is not None and f"{lay.head}.weight" in lay.expected):
         return
     heads = [n for n in (f"{h}.weight" for h in HEAD_NAMES) if n in a.t]
     embedding = next((f"{e}.weight" for e in sorted(lay.embeddings) if f"{e}.weight" in a.t), None)

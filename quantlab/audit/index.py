@@ -122,7 +122,8 @@ def check_index(a) -> None:
               consequence="transformers finds no weights (it loads only model.safetensors or the index's shards) "
               "and fails; vLLM loads every *.safetensors file it finds",
               fix=f"copy {SAFE_INDEX} with the shards, or rename a single file to {SAFE_WEIGHTS}")
-    _check_duplicates(a, views)
+    if views.transformers == views.vllm or not views.transformers:  # else _compare_loaders named the repeats
+        _check_duplicates(a, views)
     _check_strays(a, views, set(views.transformers) | set(views.vllm))
 
 

@@ -55,6 +55,7 @@ def run_probe(a, windows: int, tokens: int, inputs: dict, kv: dict) -> ProbeResu
     outputs: dict[int, tuple[str, object]] = {}  # id(output) -> (producer, the tensor: kept alive for the forward)
     firsts: dict[int, tuple[str, object]] = {}  # id(input) -> (first Linear reading it, the tensor)
     tallies: dict[str, activations.Tally] = {}
+    done: dict[tuple, activations.Tally] = {}  # (input, quantization, smoothing) -> its tally: q/k/v share one
     handles = []
 
     def record_output(name):
@@ -75,14 +76,9 @@ def run_probe(a, windows: int, tokens: int, inputs: dict, kv: dict) -> ProbeResu
             first = firsts.setdefault(id(x), (name, x))
             if first[1] is x and first[0] != name:
                 result.shared[name] = first[0]
-            spec = inputs.get(name)
-            if spec is not None:
-                smoothing = spec.pre_quant_scale
-                how = "pre_quant_scale" if smoothing is not None else None
-                if smoothing is None and name in result.feeds:
-                    smoothing = _fold_scale(a, result.feeds[name], modules.get(result.feeds[name]))
-                    how = f"folded into {result.feeds[name]}" if smoothing is not None else None
-                tallies.setdefault(name, activations.Tally(spec, how)).add(x, smoothing)
+            if name in inputs:
+                feeder = result.feeds.get(name)
+                _tally(a, x, name, inputs[name], (feeder, modules.get(feeder)), tallies, done)
         return hook
 
     try:
@@ -101,12 +97,32 @@ def run_probe(a, windows: int, tokens: int, inputs: dict, kv: dict) -> ProbeResu
             h.remove()
         outputs.clear()
         firsts.clear()
+        done.clear()
         modules.clear()
         del model
     result.inputs = {n: t.row() for n, t in tallies.items()}
     result.kv = {n: t.row() for n, t in kv_tallies.items()}
     result.seconds = round(time.time() - start, 2)
     return result
+
+
+def _tally(a, x, name: str, spec, feeder: tuple, tallies: dict, done: dict) -> None:
+    """Tally one Linear's input quantized as its format does, after its smoothing: its pre_quant_scale, or the
+    scale folded into the norm that feeds it (feeder: (name, module) of the module whose output x is, or None)."""
+    from quantlab.audit import activations
+
+    smoothing = spec.pre_quant_scale
+    how = "pre_quant_scale" if smoothing is not None else None
+    if smoothing is None and feeder[0] is not None:
+        smoothing = _fold_scale(a, feeder[0], feeder[1])
+        how = f"folded into {feeder[0]}" if smoothing is not None else None
+    key = (id(x), spec.algo, spec.scale, id(spec.pre_quant_scale), how)
+    tally = tallies.setdefault(name, activations.Tally(spec, how))
+    if key in done and done[key] is not tally and done[key].signal and not tally.signal:
+        tally.merge(done[key])  # the same tensor quantized the same way (q/k/v, gate/up): computed once
+    else:
+        tally.add(x, smoothing)
+        done[key] = tally
 
 
 def _fold_scale(a, norm: str, module):
