@@ -687,6 +687,30 @@ def test_tied_model_export_is_clean(exports, tiny_qwen2):
     assert report.errors == [] and report.warnings == [], report.render()
 
 
+def test_checks_without_the_reference(exports, tmp_path):
+    """Without --reference: a tokenizer that no longer decodes what it encodes is a warning (it cannot be told from
+    a normalizing tokenizer without the original), and layers that share one input but carry different input scales
+    are a warning naming them; the activation checks that need the reference's activations say they were skipped."""
+    from quantlab.audit import audit
+
+    fault = next(f for f in FAULTS if f.name == "tokenizer_decoder_dropped")
+    damage(fault, exports(*fault.base), exports.models["llama"], tmp_path / "tok")
+    report = audit(tmp_path / "tok", None, canary=False)
+    assert report.errors == [] and [f.check for f in report.warnings] == ["tokenizer"], report.render()
+    assert "decode" in report.warnings[0].message and report.warnings[0].fix
+
+    out = tmp_path / "shared"
+    shutil.copytree(exports("fp8", "none"), out, ignore=shutil.ignore_patterns("manifest.json"))
+    e = Export(out, exports.models["llama"])
+    q = e.pick("self_attn.q_proj")
+    e.tensors[f"{q}.input_scale"] = e.tensors[f"{q}.input_scale"] * 2
+    e.save()
+    report = audit(out, None, canary=False)
+    shared = [f for f in report.warnings if f.check == "activations"]
+    assert report.errors == [] and shared and q in shared[0].modules, report.render()
+    assert any(s.startswith("activations:") for s in report.skipped)
+
+
 def _rearranged(healthy: Path, out: Path, how: str) -> None:
     """A healthy export rearranged without changing what any engine loads."""
     import random
@@ -891,6 +915,7 @@ def test_cli_exit_codes_healthy_and_damaged(exports, tiny_llama, tmp_path):
     broken = _cli([tmp_path / "nan", "--reference", tiny_llama, "--no-canary"])
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "ERRORS (" in broken.stdout and damaged[0] in broken.stdout and "Traceback" not in broken.stderr
+    assert "in deployment:" in broken.stdout and "fix:" in broken.stdout
 
 
 def test_cli_unusable_input_exits_2(exports, tiny_llama, tmp_path):

@@ -169,6 +169,7 @@ def check_activations(a: AuditState) -> None:
                          f"Linears ({abbreviate(unobserved, 3)}): their input scales were checked for sanity only")
     _judge(a, [r for r in rows if r["kind"] == "input"], "input")
     _judge(a, [r for r in rows if r["kind"] in ("k", "v")], "kv")
+    _judge_median(a, rows)
 
 
 def _judge(a: AuditState, rows: list[dict], what: str) -> None:
@@ -212,6 +213,30 @@ def _judge(a: AuditState, rows: list[dict], what: str) -> None:
             cause = f"the ratio max |x| / (scale x qmax) matches a unit factor, {unit}; " + cause
         a.add(severity, "kv_cache" if what == "kv" else "activations", [r["module"] for r in found], message, cause,
               consequence=CLIP if direction == "clip" else WASTE, fix=FIX)
+
+
+def _judge_median(a: AuditState, rows: list[dict]) -> None:
+    """An error when the median layer of a format (or the KV cache) loses more than its bound: a mistake every
+    layer shares, which a single layer's bound may be too loose to call."""
+    import statistics
+
+    by: dict[str, list[dict]] = {}
+    for row in rows:
+        by.setdefault("KV cache" if row["kind"] in ("k", "v") else row["format"], []).append(row)
+    for fmt, found in by.items():
+        b = kv_bounds(a.quant.kv_cache_quant_algo) if fmt == "KV cache" else activation_bounds(fmt)
+        median = statistics.median(math.inf if r["loss_db"] is None else r["loss_db"] for r in found)
+        if median <= b.clip_median_error_db:
+            continue
+        unit = _unit(found)
+        a.add(ERROR, "kv_cache" if fmt == "KV cache" else "activations", [r["module"] for r in found],
+              f"the median of {len(found)} {fmt} {'K / V' if fmt == 'KV cache' else 'input'} scale(s) loses "
+              f"{median:.1f} dB of SQNR on held-out text against the best static scale (healthy exports: at most "
+              f"{b.clip_median_error_db:g} dB; worst: {_describe(max(found, key=lambda r: r['loss_db'] or math.inf))})",
+              (f"the ratio max |x| / (scale x qmax) matches a unit factor, {unit}; " if unit else "") +
+              "a mistake every layer shares: scales written in another format's units, divided twice, or a "
+              "calibration that saw nothing like real text",
+              consequence=CLIP, fix=FIX)
 
 
 def _describe(row: dict) -> str:
