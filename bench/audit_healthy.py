@@ -266,12 +266,19 @@ def _statistics(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
             put(layer["format"], "weight_column_spread", layer.get("column_spread"))
         for act in a["activations"]:
             fmt = act["format"] if act["kind"] == "input" else f"KV {act['format']}"
-            put(fmt, "act_loss_db", act.get("loss_db"))
+            put(fmt, "act_loss_db", _loss(act))
             put(fmt, "act_ratio", act.get("ratio"))
         if a.get("canary"):
             put(PRECISION_ALGO.get(row["precision"], row["precision"]), "canary_top1", a["canary"]["top1"])
             put(PRECISION_ALGO.get(row["precision"], row["precision"]), "canary_kl_mean", a["canary"]["kl_mean"])
     return out
+
+
+def _loss(act: dict) -> float | None:
+    """A row's SQNR loss as the audit defines it now: 0 where the stored scale covers max |x| (rows measured before
+    that definition compared with max |x| / qmax there too)."""
+    ratio = act.get("ratio")
+    return 0.0 if ratio is not None and ratio <= 1 else act.get("loss_db")
 
 
 def _false_alarms(row: dict) -> list[str]:
@@ -292,7 +299,7 @@ def _false_alarms(row: dict) -> list[str]:
     by_format: dict[tuple, list[float]] = {}
     for act in a["activations"]:
         b = kv_bounds(act["format"]) if act["kind"] != "input" else activation_bounds(act["format"])
-        loss = act.get("loss_db")
+        loss = _loss(act)
         ratio = act.get("ratio")
         if b is None or loss is None or ratio is None:
             continue

@@ -68,7 +68,7 @@ class Static:
 
 class Tally:
     """Sums over the probe's calls of one input: signal, error with the stored scale, error with the best static
-    scale for the text (its own max |x| / qmax), and max |x|."""
+    scale for the text (its own max |x| / qmax, where the stored one clips), and max |x|."""
 
     def __init__(self, spec: Static, smoothing: str | None):
         self.spec, self.smoothing = spec, smoothing
@@ -83,9 +83,12 @@ class Tally:
         amax = float(flat.abs().max()) if flat.numel() else 0.0
         self.amax = max(self.amax, amax)
         self.signal += float(flat @ flat)
-        self.error += _squared_error(flat, self.spec.qdq(x, self.spec.scale).reshape(-1))
-        if amax > 0:
-            self.ideal += _squared_error(flat, self.spec.qdq(x, amax / self.spec.qmax).reshape(-1))
+        stored = _squared_error(flat, self.spec.qdq(x, self.spec.scale).reshape(-1))
+        self.error += stored
+        # the best static scale for this text: max |x| / qmax where the stored one clips; where it covers max |x|
+        # there is nothing to gain from clipping less (its wasted range is judged by the ratio), so it counts as is
+        clips = amax > self.spec.scale * self.spec.qmax
+        self.ideal += _squared_error(flat, self.spec.qdq(x, amax / self.spec.qmax).reshape(-1)) if clips else stored
 
     def merge(self, other: Tally) -> None:
         """Take another tally's sums (the same input, the same quantization: q/k/v of one layer)."""

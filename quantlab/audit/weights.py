@@ -318,15 +318,15 @@ def _weight_stats(ref, eff) -> dict:
     weight against the reference weight. Column spread: the robust standard deviation (1.4826 x median absolute
     deviation) of log c_j over the input columns, c_j the factor that best maps column j of eff onto the reference's
     (columns holding real weight only); near 0 when healthy, the spread of the smoothing factors when a
-    pre_quant_scale is missing. Per-column sums of the products, accumulated in float64; the totals are their sums
-    (the error energy as aa - 2 ab + bb: its rounding, ~1e-7 of aa, is far below every bound)."""
+    pre_quant_scale is missing. Per-column sums of the products (one pass each, no temporaries), the totals summed
+    in float64 (the error energy as aa - 2 ab + bb: its rounding, ~1e-7 of aa, is far below every bound)."""
     import torch
 
     a, b = ref.float(), eff.float()
     if a.dim() != 2:
         a, b = a.reshape(1, -1), b.reshape(1, -1)
-    rr, ee, re = ((x * y).sum(0, dtype=torch.float64) for x, y in ((a, a), (b, b), (a, b)))
-    aa, bb, ab = float(rr.sum()), float(ee.sum()), float(re.sum())
+    rr, ee, re = (torch.einsum("ij,ij->j", x, y) for x, y in ((a, a), (b, b), (a, b)))
+    aa, bb, ab = (float(v.sum(dtype=torch.float64)) for v in (rr, ee, re))
     dd = max(aa - 2 * ab + bb, 0.0)
     cosine = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
     sqnr = 10 * math.log10(aa / dd) if dd > 0 and aa > 0 else (SQNR_CAP if aa > 0 else -SQNR_CAP)
