@@ -357,8 +357,33 @@ def cmd_table(args) -> None:
     print("\n".join(lines))
 
 
+def cmd_bounds(_args) -> None:
+    """Every precision's and KV format's audit bounds, from the registry, as a Markdown table (docs/audit.md)."""
+    from quantlab.precisions import KV_FORMATS, PRECISIONS
+
+    print("| precision | weights: cosine / SQNR error (warn) / column spread error (warn) | canary: top-1 error "
+          "(warn) / KL error (warn) | activations: clip loss per layer error (warn) / median error / wasted-range "
+          "ratio error (warn) |")
+    print("|---|---|---|---|")
+    for name, p in PRECISIONS.items():
+        if p.audit is None:
+            print(f"| {name} | each layer by its own format's bounds | the loosest of its formats | per format |")
+            continue
+        w, c, act = p.audit.weights, p.audit.canary, p.audit.activations
+        acts = (f"{act.clip_error_db:g} dB ({act.clip_warn_db:g}) / {act.clip_median_error_db:g} dB / "
+                f"{act.waste_ratio_error:.3g} ({act.waste_ratio_warn:.3g})") if act else "no static scale"
+        print(f"| {name} | {w.cosine_error:g} / {w.sqnr_error_db:g} dB ({w.sqnr_warn_db:g}) / "
+              f"{w.column_spread_error:g} ({w.column_spread_warn:g}) | {c.top1_error:g} ({c.top1_warn:g}) / "
+              f"{c.kl_error:g} ({c.kl_warn:g}) | {acts} |")
+    for name, kv in KV_FORMATS.items():
+        if kv.audit is not None:
+            b = kv.audit
+            print(f"| KV cache {name} | - | - | {b.clip_error_db:g} dB ({b.clip_warn_db:g}) / "
+                  f"{b.clip_median_error_db:g} dB / {b.waste_ratio_error:.3g} ({b.waste_ratio_warn:.3g}) |")
+
+
 def main() -> None:
-    """Command line: models | build | measure | table."""
+    """Command line: models | build | measure | table | bounds."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -382,9 +407,11 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("--out", required=True)
     t.add_argument("stats", nargs="+", help="stats.jsonl files of measure")
+    sub.add_parser("bounds")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    {"models": cmd_models, "build": cmd_build, "measure": cmd_measure, "table": cmd_table}[args.cmd](args)
+    {"models": cmd_models, "build": cmd_build, "measure": cmd_measure, "table": cmd_table,
+     "bounds": cmd_bounds}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -84,30 +84,48 @@ def _compare(a: AuditState, ref_dir: Path, differ: list[str]) -> None:
 
 
 def _round_trip_alone(a: AuditState) -> None:
-    """No reference: the export's tokenizer loads and decodes the sample back to itself."""
-    from quantlab.models import check_tokenizer as load
-
+    """No reference: the export's tokenizer loads and decodes the sample back to itself (tokenizer.json read by the
+    tokenizers library itself, a fraction of a second; other formats through transformers)."""
     if not any((a.ckpt / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         a.skipped.append("tokenizer: the export has no tokenizer files and no --reference to compare with")
         return
     try:
-        tok = load(a.ckpt)
+        encode, decode = _codec(a.ckpt)
     except QuantlabError as exc:
         a.add(ERROR, "tokenizer", [], f"the export's tokenizer does not load: {exc.problem}",
               "a damaged or partial tokenizer file", consequence="engines refuse to start, or start with "
               "another tokenizer given by hand", fix=COPY_FIX)
         return
-    ids = tok(TOKENIZER_SAMPLE, add_special_tokens=False)["input_ids"]
-    back = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    back = decode(encode(TOKENIZER_SAMPLE))
     if back != TOKENIZER_SAMPLE:
+        at = _first_difference(back, TOKENIZER_SAMPLE)
         a.add(WARNING, "tokenizer", [], "the export's tokenizer does not decode what it encodes back to the same "
-              f"text (first difference at character {_first_difference(back, TOKENIZER_SAMPLE)}: "
-              f"{back[_first_difference(back, TOKENIZER_SAMPLE):][:24]!r}); without --reference it cannot be told "
-              "from a tokenizer that normalizes text", "a decoder or normalizer lost or replaced (byte-level "
+              f"text (first difference at character {at}: {back[at:at + 24]!r}); without --reference it cannot be "
+              "told from a tokenizer that normalizes text", "a decoder or normalizer lost or replaced (byte-level "
               "tokens decode as 'Ġ' characters without the ByteLevel decoder)",
               consequence="served text is detokenized wrongly (stray characters, lost spaces)",
               fix="pass --reference to compare with the original tokenizer; " + COPY_FIX)
     a.skipped.append("tokenizer against the reference (no --reference): only the export's own round trip checked")
+
+
+def _codec(directory: Path):
+    """(encode, decode) of a directory's tokenizer, without special tokens added or skipped."""
+    file = directory / "tokenizer.json"
+    if file.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # noqa: BLE001 - the Rust library raises its own exception types
+            raise QuantlabError(f"{file} does not load: {str(exc)[:200]}",
+                                fix="re-save the tokenizer with tokenizer.save_pretrained(dir)") from None
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids,
+                lambda ids: tok.decode(ids, skip_special_tokens=False))
+    from quantlab.models import check_tokenizer as load
+
+    tok = load(directory)
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"],
+            lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 def _first_difference(x: str, y: str) -> int:
