@@ -8,10 +8,16 @@
    KV, made by quantlab's pipeline (calibration reduced to --calib-samples x --calib-len tokens to keep the sweep
    short), audited with the canary: error findings counted (target 0).
 3. Detection table: every fault class of tests/test_audit.py's FAULTS applied to a copy of the matching healthy
-   export of the default model, audited with the canary: detected when the fault's check reports an error naming
-   every module the fault damaged (target: all).
+   export of the default model, audited with the canary, with --no-canary, and (file- and tensor-level faults)
+   without the reference: detected when the fault's check reports an error naming every module the fault damaged
+   (target: all).
+
+The healthy-export statistics the bounds rest on are bench/audit_healthy.py's.
 
     HF_HUB_OFFLINE=1 python bench/audit_bench.py [--cache /tmp/auditbench_cache] [--repeats 2]
+    # the detection table alone, on healthy exports made already (a subset of faults, without the canary column):
+    HF_HUB_OFFLINE=1 python bench/audit_bench.py --exports exports.json --reference MODEL_DIR --no-canary-column \
+        [--faults name,name] --out result.md
 
 Prints the tables and writes them to bench/results/audit.md.
 """
@@ -78,6 +84,50 @@ def healthy_exports(cache: Path, scratch: Path, samples: int, seq_len: int) -> d
     return out
 
 
+def detection_table(emit, healthy: dict, reference: Path, scratch: Path, names: str = "",
+                    with_canary: bool = True) -> None:
+    """Every fault (or those named) on a copy of the matching healthy export: detected with the canary, with
+    --no-canary, and (file- and tensor-level faults) without the reference."""
+    from test_audit import FAULTS, damage, detection
+
+    from quantlab.audit import audit
+
+    faults = [f for f in FAULTS if not names or f.name in names.split(",")]
+    faults = [f for f in faults if f.base in healthy]
+    emit("## Detection table (each fault on a copy of a healthy default-model export)")
+    emit()
+    emit("Detected = an error of the fault's own check naming every module it damaged. Columns: with the reference "
+         "and the canary; with the reference, `--no-canary`; with neither (file- and tensor-level faults only).")
+    emit()
+    emit("| fault | real bug | base export | check | with canary | --no-canary | no reference | finding | audit (s) |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    hits = {"canary": 0, "no_canary": 0, "no_reference": 0}
+    yes = {True: "yes", False: "NO", None: "-"}
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        for fault in faults:
+            out = Path(tmp) / fault.name
+            damaged = damage(fault, healthy[fault.base], reference, out)
+            quick_report = audit(out, reference, canary=False)
+            quick = detection(quick_report, fault, damaged)
+            full = detection(audit(out, reference), fault, damaged) if with_canary else None
+            alone = detection(audit(out, None, canary=False), fault, damaged) if not fault.reference else None
+            hits["canary"] += full is not None
+            hits["no_canary"] += quick is not None
+            hits["no_reference"] += alone is not None
+            shown = quick or full
+            what = (shown.message[:110] + ("..." if len(shown.message) > 110 else "")) if shown else \
+                "; ".join(f"[{f.check}] {f.message[:60]}" for f in quick_report.errors) or "no error"
+            emit(f"| {fault.name} | {fault.bug} | {fault.base[0]} kv={fault.base[1]} | {fault.check} | "
+                 f"{yes[full is not None] if with_canary else '-'} | {yes[quick is not None]} | "
+                 f"{'-' if fault.reference else yes[alone is not None]} | {what.replace('|', '/')} | "
+                 f"{quick_report.timings['total']:.1f} |")
+            shutil.rmtree(out, ignore_errors=True)
+    file_level = sum(1 for f in faults if not f.reference)
+    emit(f"\n**Detected: {hits['canary'] if with_canary else '-'}/{len(faults)} with the canary, "
+         f"{hits['no_canary']}/{len(faults)} with `--no-canary`, {hits['no_reference']}/{file_level} file- and "
+         "tensor-level faults without the reference** (target: all).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", default="/tmp/auditbench_cache")
@@ -86,6 +136,11 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--calib-len", type=int, default=256)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "audit.md"))
+    ap.add_argument("--faults", default="", help="comma-separated fault names of the detection table (default: all)")
+    ap.add_argument("--no-canary-column", action="store_true", help="detection table without the canary's column")
+    ap.add_argument("--exports", default="", help="detection table only, on these healthy exports: a JSON file "
+                    "{\"PRECISION:KV\": CHECKPOINT, ...} (with --reference)")
+    ap.add_argument("--reference", default="", help="the reference of --exports")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO / "tests"))
@@ -102,6 +157,15 @@ def main() -> None:
     from quantlab.audit import audit
 
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.exports:
+        named = json.loads(Path(args.exports).read_text())
+        healthy = {tuple(k.split(":")): Path(v) for k, v in named.items()}
+        emit(f"# Checkpoint audit faults on given exports ({time.strftime('%Y-%m-%d')}, load "
+             f"{os.getloadavg()[0]:.1f})")
+        emit()
+        detection_table(emit, healthy, Path(args.reference), scratch, args.faults, not args.no_canary_column)
+        _write(lines, Path(args.out))
+        return
     emit(f"# Checkpoint audit on the default model ({time.strftime('%Y-%m-%d')})")
     emit()
     emit(f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared: the load average is given with each "
@@ -166,29 +230,13 @@ def main() -> None:
     emit()
 
     # ---- 3. detection table
-    from test_audit import FAULTS, damage, detection
-
-    emit("## Detection table (each fault on a copy of a healthy default-model export, audited with the canary)")
-    emit()
-    emit("| fault | real bug | base export | check | detected | finding | audit (s) |")
-    emit("|---|---|---|---|---|---|---|")
-    hits = 0
-    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        for fault in FAULTS:
-            out = Path(tmp) / fault.name
-            damaged = damage(fault, healthy[fault.base], reference, out)
-            report = audit(out, reference)
-            found = detection(report, fault, damaged)
-            hits += found is not None
-            what = (found.message[:110] + ("..." if len(found.message) > 110 else "")) if found else \
-                "; ".join(f"[{f.check}] {f.message[:60]}" for f in report.errors) or "no error"
-            emit(f"| {fault.name} | {fault.bug} | {fault.base[0]} kv={fault.base[1]} | {fault.check} | "
-                 f"{'yes' if found else 'NO'} | {what.replace('|', '/')} | {report.timings['total']:.1f} |")
-            shutil.rmtree(out, ignore_errors=True)
-    emit(f"\n**Detected: {hits}/{len(FAULTS)}** fault classes (target: all).")
+    detection_table(emit, healthy, reference, scratch, args.faults, not args.no_canary_column)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     emit(f"\nBench process peak RSS {peak:.0f} MiB.")
-    out_md = Path(args.out)
+    _write(lines, Path(args.out))
+
+
+def _write(lines: list[str], out_md: Path) -> None:
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text("\n".join(lines) + "\n")
     print(f"\nwrote {out_md}")

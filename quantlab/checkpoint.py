@@ -136,12 +136,15 @@ def safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def read_headers(directory: Path) -> dict[str, dict]:
-    """Every tensor's header entry over the safetensors files a loader reads (safetensors_files), with its file
-    name added."""
+def read_headers(directory: Path, files: list[Path] | None = None, first_wins: bool = False) -> dict[str, dict]:
+    """Every tensor's header entry over the safetensors files a loader reads (safetensors_files, or the files
+    given), with its file name added. A tensor in two of them is a QuantlabError, unless first_wins (the audit
+    reads such a directory as it is and reports the repeats)."""
     out: dict[str, dict] = {}
-    for file in safetensors_files(directory):
+    for file in safetensors_files(directory) if files is None else files:
         for name, entry in read_safetensors_header(file).items():
+            if name in out and first_wins:
+                continue
             if name in out:
                 raise QuantlabError(f"tensor {name} appears in both {out[name]['file']} and {file.name}",
                                     fix="re-save the checkpoint; its shards overlap")
@@ -149,27 +152,32 @@ def read_headers(directory: Path) -> dict[str, dict]:
     return out
 
 
-def tensor_index(directory: Path) -> dict[str, Any]:
-    """Tensor name -> open safetensors handle, over the safetensors files a loader reads (nothing loaded)."""
+def tensor_index(directory: Path, files: list[Path] | None = None) -> dict[str, Any]:
+    """Tensor name -> open safetensors handle, over the safetensors files a loader reads (safetensors_files, or the
+    files given; nothing loaded)."""
     from safetensors import safe_open
 
     index = {}
-    for f in safetensors_files(directory):
+    for f in safetensors_files(directory) if files is None else files:
         handle = safe_open(str(f), "pt")
-        index.update({name: handle for name in handle.keys()})
+        index.update({name: handle for name in handle.keys() if name not in index})  # the first file's copy
     return index
 
 
 class CheckpointTensors:
-    """Lazy access to every tensor of a checkpoint, with errors that name the tensor. Headers are validated first."""
+    """Lazy access to every tensor of a checkpoint, with errors that name the tensor. Headers are validated first.
+    `files`: the safetensors files to read (default: those a serving engine loads, safetensors_files); a tensor in
+    two of them is refused, or with first_wins read from the first."""
 
-    def __init__(self, ckpt: Path):
+    def __init__(self, ckpt: Path, files: list[Path] | None = None, first_wins: bool = False):
         self.ckpt = Path(ckpt)
-        if not safetensors_files(self.ckpt):
+        files = safetensors_files(self.ckpt) if files is None else list(files)
+        if not files:
             raise QuantlabError(f"checkpoint {self.ckpt} has no safetensors files",
                                 fix="point at the directory export_hf_checkpoint() or save_pretrained() wrote")
-        self.headers = read_headers(self.ckpt)
-        self.where = tensor_index(self.ckpt)
+        self.files = files
+        self.headers = read_headers(self.ckpt, files, first_wins)
+        self.where = tensor_index(self.ckpt, files)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where

@@ -62,11 +62,15 @@ class Nvfp4Config(PrecisionConfig):
 @dataclass(frozen=True)
 class WeightBounds:
     """Per-layer bounds of a format, dequantized weight vs reference (quantlab.audit.weights): an error below
-    cosine_error or sqnr_error_db, a warning below sqnr_warn_db."""
+    cosine_error or sqnr_error_db, a warning below sqnr_warn_db; an error when the per-input-channel factors that map
+    the dequantized weight onto the reference spread more than column_spread_error (robust standard deviation of
+    their logarithm: a smoothing scale missing or misapplied), a warning over column_spread_warn."""
 
     cosine_error: float
     sqnr_error_db: float
     sqnr_warn_db: float
+    column_spread_error: float = 0.1
+    column_spread_warn: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -81,24 +85,63 @@ class CanaryBounds:
 
 
 @dataclass(frozen=True)
+class ScaleBounds:
+    """Bounds of a static activation (or KV cache) scale against the activations it quantizes (quantlab.audit.
+    activations), on the reference's activations over held-out text. Clipping (the text reaches past scale x qmax):
+    the SQNR lost against the best static scale for that text (max |x| / qmax), an error over clip_error_db in any
+    one layer, a warning over clip_warn_db, and an error when the export's median layer loses over
+    clip_median_error_db (a mistake every layer shares: units, a calibration that failed everywhere; formats that
+    smooth their inputs see single layers of barely trained models clip far more than their median). Wasted range
+    (the scale reaches past the text): max |x| / (scale x qmax), an error under waste_ratio_error, a warning under
+    waste_ratio_warn (a ratio, since FP8's exponents hide a scale many times too large from an energy measure while
+    its small values sink into the subnormals; a short text shows less than the calibration's max, so healthy
+    ratios sit below 1). qmax: the largest code value the scale maps amax to (448 for E4M3, 127 for INT8, 6 x 448
+    for NVFP4's global scale)."""
+
+    qmax: float
+    clip_error_db: float
+    clip_warn_db: float
+    clip_median_error_db: float
+    waste_ratio_error: float
+    waste_ratio_warn: float
+
+
+@dataclass(frozen=True)
 class AuditBounds:
     """What the checkpoint audit holds an export of a precision to. Every precision states its own (a required
-    field of its registry entry); healthy values and how the bounds were set: quantlab.audit and bench/RESULTS.md."""
+    field of its registry entry); healthy values and how the bounds were set: docs/audit.md, bench/RESULTS.md.
+    activations: None for formats without static activation scales (weight-only, dynamic per-token)."""
 
     weights: WeightBounds
     canary: CanaryBounds
+    activations: ScaleBounds | None = None
 
 
-# Healthy values (tiny models and SmolLM2-135M): FP8 30-32 dB, INT8 per-channel 38-47 dB on tiny models but down to
-# 25.3 dB on SmolLM2 after SmoothQuant migrated its activation outliers into the weights (13 layers under 30 dB),
-# int4 groups / NVFP4 17-22 dB; cosines 0.99+ for 4-bit formats, 0.998+ for 8-bit ones. SmolLM2's INT8-SQ canary:
-# top-1 0.858, KL 0.119 (pydoc calibration, 4 x 512 tokens). Bounds sit below the worst healthy value.
-_EIGHT_BIT = AuditBounds(WeightBounds(cosine_error=0.99, sqnr_error_db=18.0, sqnr_warn_db=24.0),
-                         CanaryBounds(top1_error=0.7, top1_warn=0.85, kl_error=0.3, kl_warn=0.1))
-_INT8_SQ = AuditBounds(WeightBounds(cosine_error=0.995, sqnr_error_db=18.0, sqnr_warn_db=22.0),
-                       CanaryBounds(top1_error=0.7, top1_warn=0.8, kl_error=0.3, kl_warn=0.2))
-_FOUR_BIT = AuditBounds(WeightBounds(cosine_error=0.97, sqnr_error_db=12.0, sqnr_warn_db=15.0),
-                        CanaryBounds(top1_error=0.55, top1_warn=0.7, kl_error=0.8, kl_warn=0.35))
+# Bounds from the healthy exports measured by bench/audit_healthy.py (docs/audit.md, bench/RESULTS.md: every
+# statistic's distribution, the cells, the false alarms). Margins: SQNR and activation loss bounds sit at least 6 dB
+# (a factor 4 in error energy) beyond the worst healthy value, cosine bounds at 4x the worst healthy 1 - cosine,
+# column-spread bounds at 1.5x the worst healthy spread, canary KL at 3x the worst healthy KL.
+_W8 = WeightBounds(cosine_error=0.998, sqnr_error_db=25.0, sqnr_warn_db=28.0, column_spread_error=0.05,
+                   column_spread_warn=0.03)
+_W8_SQ = WeightBounds(cosine_error=0.993, sqnr_error_db=18.0, sqnr_warn_db=21.0, column_spread_error=0.12,
+                      column_spread_warn=0.09)
+_W4 = WeightBounds(cosine_error=0.945, sqnr_error_db=9.5, sqnr_warn_db=12.5, column_spread_error=0.16,
+                   column_spread_warn=0.12)
+_W_NVFP4 = WeightBounds(cosine_error=0.98, sqnr_error_db=14.0, sqnr_warn_db=17.0, column_spread_error=0.06,
+                        column_spread_warn=0.045)
+_C8 = CanaryBounds(top1_error=0.7, top1_warn=0.8, kl_error=0.15, kl_warn=0.08)
+_C8_SQ = CanaryBounds(top1_error=0.6, top1_warn=0.75, kl_error=0.45, kl_warn=0.25)
+_C4 = CanaryBounds(top1_error=0.55, top1_warn=0.7, kl_error=0.8, kl_warn=0.35)
+_A_FP8 = ScaleBounds(qmax=448.0, clip_error_db=10.0, clip_warn_db=6.0, clip_median_error_db=3.0,
+                     waste_ratio_error=1 / 32, waste_ratio_warn=1 / 16)
+_A_INT8 = ScaleBounds(qmax=127.0, clip_error_db=40.0, clip_warn_db=16.0, clip_median_error_db=20.0,
+                      waste_ratio_error=1 / 8, waste_ratio_warn=1 / 5)
+_A_W4A8 = ScaleBounds(qmax=448.0, clip_error_db=40.0, clip_warn_db=10.0, clip_median_error_db=3.0,
+                      waste_ratio_error=1 / 32, waste_ratio_warn=1 / 16)
+_A_NVFP4 = ScaleBounds(qmax=6 * 448.0, clip_error_db=6.0, clip_warn_db=3.0, clip_median_error_db=3.0,
+                       waste_ratio_error=1 / 32, waste_ratio_warn=1 / 16)
+_KV_FP8 = ScaleBounds(qmax=448.0, clip_error_db=6.0, clip_warn_db=3.0, clip_median_error_db=3.0,
+                      waste_ratio_error=1 / 32, waste_ratio_warn=1 / 16)
 
 
 # ---------------------------------------------------------------------------------------------- entries
@@ -129,18 +172,20 @@ def _smoothquant_alpha(cfg: dict, precision: Int8SqConfig) -> None:
 
 PRECISIONS: Registry[Precision] = Registry("precision", "+precision=NAME")
 PRECISIONS.add("fp8", Precision("fp8", Fp8Config, "FP8_DEFAULT_CFG", "FP8", (8, 9), "Ada / Hopper or newer", 8,
-                                audit=_EIGHT_BIT))
+                                audit=AuditBounds(_W8, _C8, _A_FP8)))
 PRECISIONS.add("fp8_pc_pt", Precision("fp8_pc_pt", Fp8PcPtConfig, "FP8_PER_CHANNEL_PER_TOKEN_CFG",
                                       "FP8_PER_CHANNEL_PER_TOKEN", (8, 9), "Ada / Hopper or newer", 8, scale_bits=32,
-                                      audit=_EIGHT_BIT))
+                                      audit=AuditBounds(_W8, _C8)))
 PRECISIONS.add("int8_sq", Precision("int8_sq", Int8SqConfig, "INT8_SMOOTHQUANT_CFG", "W8A8_SQ_PER_CHANNEL", None,
-                                    "any", 8, scale_bits=32, adjust=_smoothquant_alpha, audit=_INT8_SQ))
+                                    "any", 8, scale_bits=32, adjust=_smoothquant_alpha,
+                                    audit=AuditBounds(_W8_SQ, _C8_SQ, _A_INT8)))
 PRECISIONS.add("int4_awq", Precision("int4_awq", Int4AwqConfig, "INT4_AWQ_CFG", "W4A16_AWQ", None, "any", 4,
-                                     blockwise=True, scale_bits=16, audit=_FOUR_BIT))
+                                     blockwise=True, scale_bits=16, audit=AuditBounds(_W4, _C4)))
 PRECISIONS.add("w4a8_awq", Precision("w4a8_awq", W4A8AwqConfig, "W4A8_AWQ_BETA_CFG", "W4A8_AWQ", (8, 9),
-                                     "Ada / Hopper or newer", 4, blockwise=True, scale_bits=16, audit=_FOUR_BIT))
+                                     "Ada / Hopper or newer", 4, blockwise=True, scale_bits=16,
+                                     audit=AuditBounds(_W4, _C4, _A_W4A8)))
 PRECISIONS.add("nvfp4", Precision("nvfp4", Nvfp4Config, "NVFP4_DEFAULT_CFG", "NVFP4", (10, 0), "Blackwell or newer",
-                                  4, fixed_block=16, scale_bits=8, audit=_FOUR_BIT))
+                                  4, fixed_block=16, scale_bits=8, audit=AuditBounds(_W_NVFP4, _C4, _A_NVFP4)))
 
 PRECISIONS.add("mixed", Precision("mixed", MixedConfig, "", "MIXED_PRECISION", None, "per layer", 8,
                                   audit=None))
@@ -166,18 +211,20 @@ def precision_by_algo(quant_algo: str) -> Precision | None:
 @dataclass(frozen=True)
 class KvFormat:
     """A KV cache format: the ModelOpt preset that quantizes the cache (None: not quantized), the
-    kv_cache_quant_algo its export carries, the compute capability it needs and its bits per value."""
+    kv_cache_quant_algo its export carries, the compute capability it needs, its bits per value and the bounds the
+    audit holds its k_scale / v_scale to (None: not quantized)."""
 
     name: str
     modelopt_cfg: str | None
     quant_algo: str | None  # hf_quant_config.json kv_cache_quant_algo
     min_capability: tuple[int, int] | None
     bits: int
+    audit: ScaleBounds | None = None
 
 
 KV_FORMATS: Registry[KvFormat] = Registry("kv cache format", "kv_cache=NAME")
 KV_FORMATS.add("none", KvFormat("none", None, None, None, 16))
-KV_FORMATS.add("fp8", KvFormat("fp8", "FP8_KV_CFG", "FP8", (8, 9), 8))
+KV_FORMATS.add("fp8", KvFormat("fp8", "FP8_KV_CFG", "FP8", (8, 9), 8, audit=_KV_FP8))
 
 
 def kv_format(kv: KvCacheConfig) -> KvFormat:

@@ -20,6 +20,10 @@ import pytest
 from conftest import FAST, REPO, run_api
 
 HEALTHY = [(p, kv) for p in ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4") for kv in ("none", "fp8")]
+# the smallest calibration issue 25 calls healthy (8 x 256 tokens); FAST's 4 x 64 leaves INT8 activation scales
+# clipping the held-out text's outliers by 10 dB: an export nobody should ship
+CALIB = ["calib.num_samples=8", "calib.seq_len=256", "calib.batch_size=4"]
+EXPORT_FAST = [o for o in FAST if not o.startswith("calib.")] + CALIB
 SCALE_NAMES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
 
 
@@ -71,13 +75,34 @@ class Export:
         (self.path / name).write_text(json.dumps(doc, indent=2))
 
     def save(self) -> None:
+        """Write the tensors back: one model.safetensors, or the shards and index a damage set up (self.shards)."""
         from safetensors.torch import save_file
 
+        if getattr(self, "written", False):
+            return  # the damage wrote the files itself
         for f in self.path.glob("*.safetensors"):
             f.unlink()
         (self.path / "model.safetensors.index.json").unlink(missing_ok=True)
         save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(self.path / "model.safetensors"),
                   metadata={"format": "pt"})
+
+    def save_sharded(self, shards: int, order=None) -> dict[str, str]:
+        """Write the tensors as `shards` files with a correct model.safetensors.index.json (as save_pretrained
+        shards); returns the weight map. The damage that calls it writes no single file."""
+        from safetensors.torch import save_file
+
+        for f in self.path.glob("*.safetensors"):
+            f.unlink()
+        names = list(order or self.tensors)
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[i::shards]
+            save_file({k: self.tensors[k].contiguous() for k in part}, str(self.path / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in part})
+        self.put_json("model.safetensors.index.json", {"metadata": {"total_size": 0}, "weight_map": weight_map})
+        self.written = True
+        return weight_map
 
 
 def _fp8(x):
@@ -308,6 +333,179 @@ def fused_group_mixed_formats(e: Export) -> list[str]:
     return [q, f"{parent}.k_proj", f"{parent}.v_proj"]
 
 
+# ----------------------------------------------- activation scales against the activations they quantize
+def int8_input_scale_in_fp8_units(e: Export) -> list[str]:
+    """NVIDIA/Model-Optimizer#215 (INT8 <-> FP8 scale conversion by 448/127 the wrong way round): every INT8
+    SmoothQuant input_scale written as amax / 448, FP8's unit, instead of amax / 127: 3.5x too small, the
+    activations clip at a quarter of their range. Finite, positive, the right dtype and shape."""
+    for m in e.modules():
+        e.tensors[f"{m}.input_scale"] = e.tensors[f"{m}.input_scale"] * (127 / 448)
+    return e.modules()
+
+
+def fp8_input_scale_without_qmax(e: Export) -> list[str]:
+    """huggingface/transformers#42744 (an FP8 checkpoint whose activation scales are off by orders of magnitude):
+    every input_scale written as amax, not amax / 448: every activation lands in E4M3's subnormals."""
+    for m in e.modules():
+        e.tensors[f"{m}.input_scale"] = e.tensors[f"{m}.input_scale"] * 448
+    return e.modules()
+
+
+def one_layer_input_scale_too_small(e: Export) -> list[str]:
+    """NVIDIA/Model-Optimizer#1354 and vllm-project/llm-compressor#916 (layers calibrated on too few tokens): one
+    down_proj's input_scale 10x too small, its outliers clip; the other 13 layers are healthy."""
+    m = e.pick("mlp.down_proj")
+    e.tensors[f"{m}.input_scale"] = e.tensors[f"{m}.input_scale"] / 10
+    return [m]
+
+
+def kv_scales_too_small(e: Export) -> list[str]:
+    """vllm-project/vllm#54705 (V outliers clip in an FP8 cache whose scales do not cover them): the last layer's
+    k_scale and v_scale 10x too small."""
+    names = sorted(n for n in e.tensors if n.endswith((".k_scale", ".v_scale")))[-2:]
+    for n in names:
+        e.tensors[n] = e.tensors[n] / 10
+    return [n.rpartition(".")[0] for n in names]
+
+
+# ---------------------------------------------------------- what serving engines load vs what is on disk
+def stale_single_file_beside_shards(e: Export) -> list[str]:
+    """Blaizzy/mlx-vlm#1464 (a stray model.safetensors shipped next to the shards of another export): the export
+    re-sharded with its index, and an older single file left beside it whose down_proj scales differ.
+    transformers loads model.safetensors, vLLM the shards."""
+    from safetensors.torch import save_file
+
+    m = e.pick("mlp.down_proj")
+    e.save_sharded(2)
+    old = dict(e.tensors)
+    old[f"{m}.weight_scale"] = old[f"{m}.weight_scale"] * 2
+    save_file({k: v.contiguous() for k, v in old.items()}, str(e.path / "model.safetensors"))
+    return [m]
+
+
+def index_names_missing_shard(e: Export) -> list[str]:
+    """Neph0s/CoSER#3 (the index expects 30 shards, 15 were provided): three shards, the second not copied."""
+    weight_map = e.save_sharded(3)
+    lost = sorted(set(weight_map.values()))[1]
+    (e.path / lost).unlink()
+    return sorted({t.rpartition(".")[0] for t, f in weight_map.items() if f == lost})
+
+
+def stale_index_after_resharding(e: Export) -> list[str]:
+    """Blaizzy/mlx-vlm#1827 and ddalcu/mlx-serve#465 (shards re-cut without regenerating the index): the index of
+    a 2-shard layout over a 3-shard directory: tensors listed in the wrong shard."""
+    old_map = e.save_sharded(2)
+    for f in e.path.glob("model-*.safetensors"):
+        f.unlink()
+    new_map = e.save_sharded(3)
+    stale = {k: v.replace("-of-00002", "-of-00003") for k, v in old_map.items()}
+    e.put_json("model.safetensors.index.json", {"metadata": {}, "weight_map": stale})
+    return sorted({t.rpartition(".")[0] for t in new_map if new_map[t] != stale[t]})
+
+
+def consolidated_copy_without_index(e: Export) -> list[str]:
+    """vllm-project/vllm#40765 (a consolidated checkpoint loaded together with the HF files): model.safetensors and
+    a consolidated.safetensors of the unquantized reference's MLP weights, no index; vLLM loads both files."""
+    from safetensors.torch import save_file
+
+    mods = [m for m in e.modules() if ".mlp." in m]
+    save_file({f"{m}.weight": e.ref(f"{m}.weight").contiguous() for m in mods},
+              str(e.path / "consolidated.safetensors"))
+    e.written = True  # model.safetensors stays as copied
+    return mods
+
+
+# -------------------------------------------------------------------------- tokenizer behaviour
+def tokenizer_merge_dropped(e: Export) -> list[str]:
+    """huggingface/transformers#34744 (tokenizer.json's merges rewritten by save_pretrained): the highest-priority
+    merge dropped; vocabulary, special tokens and every other section unchanged."""
+    tok = e.json("tokenizer.json")
+    tok["model"]["merges"] = tok["model"]["merges"][1:]
+    e.put_json("tokenizer.json", tok)
+    return []
+
+
+def tokenizer_decoder_dropped(e: Export) -> list[str]:
+    """huggingface/tokenizers#1340 (an exported tokenizer whose decode keeps the byte-level 'G' characters): the
+    ByteLevel decoder removed; encoding is unchanged, decoding is not."""
+    tok = e.json("tokenizer.json")
+    tok["decoder"] = None
+    e.put_json("tokenizer.json", tok)
+    return []
+
+
+# ------------------------------------------------------------------------- declarations that disagree
+def kv_cache_scheme_disagrees(e: Export) -> list[str]:
+    """sgl-project/sglang#10132 and NVIDIA/TensorRT-LLM#14088 (engines reading kv_cache_scheme each their own way):
+    config.json's kv_cache_scheme says 8-bit int where hf_quant_config.json says FP8."""
+    cfg = e.json("config.json")
+    cfg["quantization_config"]["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "int"}
+    e.put_json("config.json", cfg)
+    return []
+
+
+def config_groups_disagree(e: Export) -> list[str]:
+    """NVIDIA/TensorRT-LLM#3167 (review: nothing checks hf_quant_config.json against config.json when both exist
+    and conflict): config.json's config_groups copied from an NVFP4 export, quant_algo still FP8."""
+    cfg = e.json("config.json")
+    cfg["quantization_config"]["config_groups"] = {"group_0": {
+        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]}}
+    e.put_json("config.json", cfg)
+    return []
+
+
+def kv_declared_in_one_file(e: Export) -> list[str]:
+    """ai-dynamo/aiconfigurator#1513 (kv_cache_quant_algo FP8 in hf_quant_config.json, no kv_cache_scheme in the
+    paired config.json): config.json loses its kv_cache_scheme."""
+    cfg = e.json("config.json")
+    del cfg["quantization_config"]["kv_cache_scheme"]
+    e.put_json("config.json", cfg)
+    return []
+
+
+# --------------------------------------------------------------------- explanations that must be right
+def awq_pre_quant_scale_dropped(e: Export) -> list[str]:
+    """NVIDIA/Model-Optimizer#1520 (o_proj's pre_quant_scale left unfused for grouped-query attention, and a loader
+    that does not consume it): the last o_proj's pre_quant_scale removed. No norm feeds o_proj; the norm ahead of
+    q/k/v has the same width and was changed by a fold, which once 'explained' the loss."""
+    m = e.pick("self_attn.o_proj")
+    assert f"{m}.pre_quant_scale" in e.tensors, "the int4_awq export no longer stores o_proj's pre_quant_scale"
+    del e.tensors[f"{m}.pre_quant_scale"]
+    return [m]
+
+
+# ---------------------------------------------------------------------------- embedding and output head
+def embedding_quantized(e: Export) -> list[str]:
+    """vllm-project/vllm#41365 (FP8 vocabulary embeddings: not loadable before an opt-in) and paiml/aprender#234
+    (embeddings and lm_head quantized by a writer that should skip them): the input embedding stored as E4M3
+    codes with a per-tensor weight_scale."""
+    w = e.tensors["model.embed_tokens.weight"].float()
+    scale = w.abs().max() / 448
+    e.tensors["model.embed_tokens.weight"] = _fp8(w / scale)
+    e.tensors["model.embed_tokens.weight_scale"] = scale.reshape(())
+    return ["model.embed_tokens"]
+
+
+def tied_head_copy_drifted(e: Export) -> list[str]:
+    """sgl-project/sglang#2935 (quantization tools save a tied model's lm_head beside its embedding; vLLM skips it,
+    others load it): a tied model's export carries lm_head.weight in bfloat16, the embedding in float32."""
+    import torch
+
+    e.tensors["lm_head.weight"] = e.tensors["model.embed_tokens.weight"].to(torch.bfloat16)
+    return ["lm_head"]
+
+
+def tied_head_quantized(e: Export) -> list[str]:
+    """ml-explore/mlx-examples#566 (a tied model quantized with a separate, quantized output layer): the tied
+    model's export carries an FP8 lm_head with scales; config.json still ties it to the embedding."""
+    w = e.tensors["model.embed_tokens.weight"].float()
+    scale = w.abs().max() / 448
+    e.tensors["lm_head.weight"] = _fp8(w / scale)
+    e.tensors["lm_head.weight_scale"] = scale.reshape(())
+    return ["lm_head"]
+
+
 @dataclass(frozen=True)
 class Fault:
     """A fault class: the real failure it reproduces, the healthy export it damages (precision, kv cache), how,
@@ -319,6 +517,8 @@ class Fault:
     corrupt: Callable[[Export], list[str]]
     check: str
     canary: bool = False  # only the logits canary can see it
+    model: str = "llama"  # the tiny model it damages (qwen2: tied embeddings); the default model in the bench
+    reference: bool = True  # False: found without --reference too (file- and tensor-level faults)
 
 
 FAULTS = [
@@ -346,8 +546,8 @@ FAULTS = [
     Fault("config_changed", "config.json max_position_embeddings changed", ("fp8", "none"), config_changed,
           "metadata"),
     Fault("tokenizer_changed", "tokenizer.json differs from the reference's", ("fp8", "none"), tokenizer_changed,
-          "metadata"),
-    Fault("chat_template_changed", "chat template changed", ("fp8", "none"), chat_template_changed, "metadata"),
+          "tokenizer"),
+    Fault("chat_template_changed", "chat template changed", ("fp8", "none"), chat_template_changed, "tokenizer"),
     Fault("generation_config_changed", "generation_config eos_token_id changed", ("fp8", "none"),
           generation_config_changed, "metadata"),
     Fault("algo_mismatch", "hf_quant_config says FP8, the tensors are INT8 SmoothQuant", ("int8_sq", "none"),
@@ -356,9 +556,49 @@ FAULTS = [
           input_scale_missing, "scales"),
     Fault("fused_group_mixed_formats", "q FP8, k/v INT4 in one fused qkv group (different formats, no error)",
           ("fp8", "none"), fused_group_mixed_formats, "format"),
-    Fault("activation_saturation", "activation scales 64x too small: saturate (tensor checks pass)", ("fp8", "none"),
-          activation_saturation, "canary", canary=True),
+    Fault("activation_saturation", "activation scales 64x too small: saturate (once seen by the canary only)",
+          ("fp8", "none"), activation_saturation, "activations"),
     Fault("swapped_layers", "two decoder layers swapped", ("fp8", "fp8"), swapped_layers, "weights"),
+    # issue 25: activation (input) and KV scales inconsistent with the activations they quantize
+    Fault("int8_input_scale_in_fp8_units", "INT8 input scales in FP8 units (amax/448): 3.5x too small",
+          ("int8_sq", "none"), int8_input_scale_in_fp8_units, "activations"),
+    Fault("fp8_input_scale_without_qmax", "FP8 input scales written as amax (448x too large)", ("fp8", "none"),
+          fp8_input_scale_without_qmax, "activations"),
+    Fault("one_layer_input_scale_too_small", "one layer's input scale 10x too small: its outliers clip",
+          ("fp8", "none"), one_layer_input_scale_too_small, "activations"),
+    Fault("kv_scales_too_small", "one layer's k/v scales 10x too small: K/V outliers clip", ("fp8", "fp8"),
+          kv_scales_too_small, "kv_cache"),
+    # what serving engines load vs what is on disk
+    Fault("stale_single_file_beside_shards", "an older model.safetensors beside the shards and index",
+          ("fp8", "none"), stale_single_file_beside_shards, "index", reference=False),
+    Fault("index_names_missing_shard", "a shard the index names was not copied", ("fp8", "none"),
+          index_names_missing_shard, "index", reference=False),
+    Fault("stale_index_after_resharding", "an index of an older shard layout", ("fp8", "none"),
+          stale_index_after_resharding, "index", reference=False),
+    Fault("consolidated_copy_without_index", "a second safetensors file of other weights, no index",
+          ("fp8", "none"), consolidated_copy_without_index, "index", reference=False),
+    # tokenizer behaviour, not only its vocabulary
+    Fault("tokenizer_merge_dropped", "one BPE merge dropped (vocabulary unchanged)", ("fp8", "none"),
+          tokenizer_merge_dropped, "tokenizer"),
+    Fault("tokenizer_decoder_dropped", "the tokenizer's decoder dropped (encoding unchanged)", ("fp8", "none"),
+          tokenizer_decoder_dropped, "tokenizer"),
+    # declarations that disagree
+    Fault("kv_cache_scheme_disagrees", "config.json kv_cache_scheme int8, hf_quant_config.json FP8", ("fp8", "fp8"),
+          kv_cache_scheme_disagrees, "declarations", reference=False),
+    Fault("config_groups_disagree", "config.json config_groups of NVFP4 on an FP8 export", ("fp8", "none"),
+          config_groups_disagree, "declarations", reference=False),
+    Fault("kv_declared_in_one_file", "FP8 KV in hf_quant_config.json only", ("fp8", "fp8"),
+          kv_declared_in_one_file, "declarations", reference=False),
+    # explanations that must be right
+    Fault("awq_pre_quant_scale_dropped", "o_proj's AWQ pre_quant_scale missing (no norm feeds o_proj)",
+          ("int4_awq", "none"), awq_pre_quant_scale_dropped, "weights"),
+    # tensor-level: embedding and output head
+    Fault("embedding_quantized", "input embedding stored as FP8 codes", ("fp8", "none"), embedding_quantized,
+          "head", reference=False),
+    Fault("tied_head_copy_drifted", "a tied model stores lm_head in another dtype than its embedding",
+          ("fp8", "none"), tied_head_copy_drifted, "head", model="qwen2", reference=False),
+    Fault("tied_head_quantized", "a tied model stores a quantized lm_head", ("fp8", "none"), tied_head_quantized,
+          "head", model="qwen2", reference=False),
 ]
 
 
@@ -379,19 +619,24 @@ def detection(report, fault: Fault, damaged: list[str]):
 
 # --------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def exports(tiny_llama, shared_cache, tmp_path_factory):
-    """(precision, kv) -> a healthy export of the tiny Llama made by quantlab's own pipeline (made once)."""
-    runs: dict[tuple[str, str], Path] = {}
+def exports(tiny_llama, tiny_qwen2, shared_cache, tmp_path_factory):
+    """(precision, kv[, model]) -> a healthy export of the tiny Llama (or, model="qwen2", the tiny tied Qwen2) made
+    by quantlab's own pipeline (made once)."""
+    runs: dict[tuple, Path] = {}
+    models = {"llama": tiny_llama, "qwen2": tiny_qwen2}
 
-    def get(precision: str, kv: str) -> Path:
-        if (precision, kv) not in runs:
-            run_dir = tmp_path_factory.mktemp(f"export_{precision}_{kv}")
+    def get(precision: str, kv: str, model: str = "llama") -> Path:
+        key = (precision, kv) if model == "llama" else (precision, kv, model)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp(f"export_{precision}_{kv}_{model}")
             block = ["precision.block_size=32"] if "awq" in precision else []
-            code = run_api([f"+precision={precision}", f"kv_cache={kv}", f"model.path={tiny_llama}",
-                            f"cache_dir={shared_cache}", "stop_after=export", *FAST, *block], run_dir)
+            code = run_api([f"+precision={precision}", f"kv_cache={kv}", f"model.path={models[model]}",
+                            f"cache_dir={shared_cache}", "stop_after=export", *EXPORT_FAST, *block], run_dir)
             assert code == 0
-            runs[(precision, kv)] = run_dir
-        return (runs[(precision, kv)] / "checkpoint").resolve()
+            runs[key] = run_dir
+        return (runs[key] / "checkpoint").resolve()
+
+    get.models = models
 
     get.runs = runs
     return get
@@ -415,6 +660,92 @@ def test_healthy_exports_have_no_error(precision, kv, exports, tiny_llama):
     assert "lm_head 1/1 high precision" in coverage
     if "awq" in precision:  # AWQ scales folded into the norms: recognised, not reported as damage
         assert report.find("tensors", "info") and all(r["fold"] for r in report.layers if "q_proj" in r["module"])
+
+
+def test_healthy_export_statistics(exports, tiny_llama):
+    """The probe's figures on a healthy export: every static input scale and KV scale has a row, the norms feeding
+    q/k/v and gate/up are found by comparing tensors (not by name), and every check is timed."""
+    from quantlab.audit import audit
+
+    report = audit(exports("fp8", "fp8"), tiny_llama, canary=False)
+    inputs = [r for r in report.activations if r["kind"] == "input"]
+    assert len(inputs) == 14 and all(0.05 < r["ratio"] < 2 for r in inputs), inputs
+    kv = [r for r in report.activations if r["kind"] in ("k", "v")]
+    assert len(kv) == 4 and all(0.05 < r["ratio"] < 2 for r in kv), kv
+    assert {"index", "declarations", "tokenizer", "head", "probe", "activations"} <= set(report.timings)
+    awq = audit(exports("int4_awq", "none"), tiny_llama, canary=False)
+    folds = {r["module"]: r["fold"] for r in awq.layers}
+    assert folds["model.layers.1.self_attn.q_proj"] == "model.layers.1.input_layernorm.weight"
+    assert folds["model.layers.1.mlp.up_proj"] == "model.layers.1.post_attention_layernorm.weight"
+    assert folds["model.layers.1.self_attn.o_proj"] == "pre_quant_scale"
+
+
+def test_tied_model_export_is_clean(exports, tiny_qwen2):
+    from quantlab.audit import audit
+
+    report = audit(exports("fp8", "none", "qwen2"), tiny_qwen2, canary=False)
+    assert report.errors == [] and report.warnings == [], report.render()
+
+
+def test_checks_without_the_reference(exports, tmp_path):
+    """Without --reference: a tokenizer that no longer decodes what it encodes is a warning (it cannot be told from
+    a normalizing tokenizer without the original), and layers that share one input but carry different input scales
+    are a warning naming them; the activation checks that need the reference's activations say they were skipped."""
+    from quantlab.audit import audit
+
+    fault = next(f for f in FAULTS if f.name == "tokenizer_decoder_dropped")
+    damage(fault, exports(*fault.base), exports.models["llama"], tmp_path / "tok")
+    report = audit(tmp_path / "tok", None, canary=False)
+    assert report.errors == [] and [f.check for f in report.warnings] == ["tokenizer"], report.render()
+    assert "decode" in report.warnings[0].message and report.warnings[0].fix
+
+    out = tmp_path / "shared"
+    shutil.copytree(exports("fp8", "none"), out, ignore=shutil.ignore_patterns("manifest.json"))
+    e = Export(out, exports.models["llama"])
+    q = e.pick("self_attn.q_proj")
+    e.tensors[f"{q}.input_scale"] = e.tensors[f"{q}.input_scale"] * 2
+    e.save()
+    report = audit(out, None, canary=False)
+    shared = [f for f in report.warnings if f.check == "activations"]
+    assert report.errors == [] and shared and q in shared[0].modules, report.render()
+    assert any(s.startswith("activations:") for s in report.skipped)
+
+
+def _rearranged(healthy: Path, out: Path, how: str) -> None:
+    """A healthy export rearranged without changing what any engine loads."""
+    import random
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(healthy, out, ignore=shutil.ignore_patterns("manifest.json"))
+    e = Export(out, out)
+    names = list(e.tensors)
+    random.Random(0).shuffle(names)
+    if how == "resharded":
+        e.save_sharded(3, order=names)
+        (out / "README.md").write_text("# an export\n")
+        save_file({"adapter.lora_a": e.tensors[names[0]].float().contiguous()}, str(out / "adapter_extra.safetensors"))
+    elif how == "reordered":
+        (out / "model.safetensors").unlink()
+        save_file({k: e.tensors[k].contiguous() for k in names}, str(out / "model.safetensors"))
+        (out / "notes.txt").write_text("calibrated on pydoc\n")
+        (out / "training_args.json").write_text("{}")
+    elif how == "duplicate_beside_shards":
+        single = dict(e.tensors)
+        e.save_sharded(2)
+        save_file({k: v.contiguous() for k, v in single.items()}, str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("how", ["resharded", "reordered", "duplicate_beside_shards"])
+def test_neutral_rearrangements_raise_nothing(how, exports, tiny_llama, tmp_path):
+    """Re-sharded (with a correct index, an unrelated file beside it), reordered, extra unrelated files, an
+    identical single file beside the shards: no error, no warning, with or without the reference."""
+    from quantlab.audit import audit
+
+    _rearranged(exports("int8_sq", "none"), tmp_path / how, how)
+    for reference in (tiny_llama, None):
+        report = audit(tmp_path / how, reference, canary=False)
+        assert report.errors == [] and report.warnings == [], report.render()
 
 
 def test_healthy_export_without_reference(exports):
@@ -492,23 +823,39 @@ def test_nvfp4_layer_matches_modelopt_numerics(exports):
 
 # ----------------------------------------------------------------------------------------------- faults
 def test_fault_catalogue_covers_the_issue():
-    assert len({f.name for f in FAULTS}) == len(FAULTS) >= 10
+    """Every check has a fault of its own; issue 25's classes (activation scales, what engines load, tokenizer
+    behaviour, declarations, fold explanations, embedding / head) each have cases, none left to the canary."""
+    assert len({f.name for f in FAULTS}) == len(FAULTS) >= 39
     assert {f.check for f in FAULTS} >= {"coverage", "scales", "kv_cache", "weights", "tensors", "metadata", "format",
-                                         "canary"}
+                                         "index", "declarations", "tokenizer", "activations", "head"}
+    assert not [f for f in FAULTS if f.canary]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
-def test_fault_is_detected(fault, exports, tiny_llama, tmp_path):
+def test_fault_is_detected(fault, exports, tmp_path):
+    """With the reference and without the canary: found by its own check, as an error naming what it damaged, with
+    what an engine would do and the fix."""
+    from quantlab.audit import audit
+
+    reference = exports.models[fault.model]
+    out = tmp_path / fault.name
+    damaged = damage(fault, exports(*fault.base, fault.model), reference, out)
+    report = audit(out, reference, canary=fault.canary)
+    found = detection(report, fault, damaged)
+    assert found is not None, f"{fault.name}: no {fault.check} error naming {damaged}\n{report.render()}"
+    assert found.cause and found.message and found.consequence and found.fix
+    assert all(f.consequence and f.fix for f in report.errors + report.warnings), report.render()
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if not f.reference], ids=lambda f: f.name)
+def test_file_level_fault_is_detected_without_reference(fault, exports, tmp_path):
+    """Faults in the files and tensors alone are found with neither --reference nor the canary."""
     from quantlab.audit import audit
 
     out = tmp_path / fault.name
-    damaged = damage(fault, exports(*fault.base), tiny_llama, out)
-    report = audit(out, tiny_llama, canary=fault.canary)
-    found = detection(report, fault, damaged)
-    assert found is not None, f"{fault.name}: no {fault.check} error naming {damaged}\n{report.render()}"
-    assert found.cause and found.message
-    if fault.canary:  # what only the canary sees: every tensor-level check passes
-        assert [f.check for f in report.errors] == ["canary"], report.render()
+    damaged = damage(fault, exports(*fault.base, fault.model), exports.models[fault.model], out)
+    report = audit(out, None, canary=False)
+    assert detection(report, fault, damaged) is not None, report.render()
 
 
 def test_damage_is_reported_with_its_numbers(exports, tiny_llama, tmp_path):
@@ -543,6 +890,7 @@ def test_report_round_trip_and_rendering(exports, tiny_llama, tmp_path):
     assert again.to_dict() == report.to_dict() and not again.passed
     text = report.render()
     assert "ERRORS (" in text and "likely cause:" in text and "model.layers.{0-1}.mlp.down_proj (2)" in text
+    assert "in deployment:" in text and "fix:" in text
     assert "'" not in abbreviate(["model.layers.0.mlp.down_proj"])  # plain names, never repr()
     assert abbreviate([f"model.layers.{i}.mlp.down_proj" for i in range(30)] + ["lm_head"]) == \
         "lm_head; model.layers.{0-29}.mlp.down_proj (30)"
@@ -567,6 +915,7 @@ def test_cli_exit_codes_healthy_and_damaged(exports, tiny_llama, tmp_path):
     broken = _cli([tmp_path / "nan", "--reference", tiny_llama, "--no-canary"])
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "ERRORS (" in broken.stdout and damaged[0] in broken.stdout and "Traceback" not in broken.stderr
+    assert "in deployment:" in broken.stdout and "fix:" in broken.stdout
 
 
 def test_cli_unusable_input_exits_2(exports, tiny_llama, tmp_path):
@@ -661,3 +1010,24 @@ def test_pipeline_stops_on_an_audit_error_before_evaluating(exports, tiny_llama,
     doc = read_json(tmp_path / "outputs" / "ok" / "metrics.json")
     assert doc["run"]["audit"]["passed"] is True
     assert "Checkpoint audit: passed" in (tmp_path / "outputs" / "ok" / "report.md").read_text()
+
+
+def test_audit_reports_carry_consequence_and_fix_escaped(tmp_path):
+    """report.md / report.html / junit.xml of a stopped run show each finding's consequence and fix; text from the
+    model or the checkpoint (module names, messages) cannot inject Markdown or HTML."""
+    from quantlab.audit import AuditReport, Finding
+    from quantlab.report.audit import write_audit_reports
+
+    hostile = "<script>alert(1)</script> | ![x](http://e/x.png) **bold**"
+    report = AuditReport("/ckpt", "/ref", "FP8", None, [Finding(
+        "error", "activations", [f"model.layers.0.{hostile}"], f"ratio 9.1 {hostile}", f"cause {hostile}",
+        consequence=f"engines clip {hostile}", fix=f"recalibrate {hostile}")], {"total": 1.0})
+    write_audit_reports(tmp_path, report, "m<b>", "fp8", "none")
+    md, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    assert "what a serving engine does with it" in md and "engines clip" in md and "recalibrate" in md
+    assert "<script>" not in md and "![x]" not in md and "| ![" not in md
+    assert "engines clip" in html and "recalibrate" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    junit = (tmp_path / "junit.xml").read_text()
+    assert "in deployment: engines clip" in junit and "fix: recalibrate" in junit
+    assert json.loads((tmp_path / "audit.json").read_text())["findings"][0]["fix"].startswith("recalibrate")

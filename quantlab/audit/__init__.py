@@ -7,42 +7,46 @@
 
 It reads a unified HF checkpoint (hf_quant_config.json + safetensors, as ModelOpt's export_hf_checkpoint writes it)
 and, where one is given, the unquantized reference model, and reports findings: severity (error / warning / info),
-check, module names, message and likely cause. Exit 0 without an error finding, 1 with one, 2 when the input cannot
-be audited at all (no such directory, no hf_quant_config.json, no config.json, a corrupt safetensors header).
+check, module names, message, likely cause, what a serving engine does with such a checkpoint, and the fix. Exit 0
+without an error finding, 1 with one, 2 when the input cannot be audited at all (no such directory, no
+hf_quant_config.json, no config.json, a corrupt safetensors header, no safetensors file).
 
-The checks, in the order they run (each timed; tensors are streamed one layer at a time, float32 per layer only):
+The checks, in the order they run (each timed, wall and CPU; tensors are streamed one layer at a time):
 
-- metadata   config.json's quantization_config agrees with hf_quant_config.json; with a reference: the model config
-             (max positions, vocabulary, ...), tokenizer files, chat template and generation config are unchanged.
-- coverage   per Linear, the format hf_quant_config.json declares (exclude_modules and per-layer formats honoured)
-             against what is stored: 8-bit codes, or plain float weights. Declared but stored plain, or stored
-             quantized but declared excluded, is an error; an output head / router / vision module quantized at
-             all is a warning. An info finding counts quantized modules per module class.
-- scales     every scale tensor (weight_scale, weight_scale_2, input_scale, pre_quant_scale, k_scale, v_scale)
-             finite, positive, not underflowed (0 in an FP8 block scale, a float32 subnormal).
-- kv_cache   k_scale / v_scale for every attention module when the KV cache is declared FP8, none otherwise,
-             and not all exactly 1.0 (a default, not a calibration result).
-- format     each quantized layer is built by the QLAYERS class of its declared format, which reads every tensor
-             with the dtype and shape that format and its group size imply: a wrong dtype (another format's
-             tensors), a scale of the wrong shape, or a missing scale is an error naming the tensor. In mixed-precision
-             exports, layers that engines fuse (q/k/v, gate/up, w1/w3) must share format and group size.
-- weights    with a reference: per layer, the dequantized weight (QLAYERS' dequantized_weight, times the layer's
-             pre_quant_scale, or the scale export folded into the preceding norm, recovered from the norm's change)
-             against the reference weight: cosine, SQNR and gain (the factor that best maps it onto the reference;
-             halved scales give 2.0), with the bounds its precision states (quantlab.precisions: AuditBounds).
-- tensors    every reference tensor (or, without a reference, every tensor config.json implies) is in the export,
-             none dropped by a tied-weight dedupe; unquantized tensors keep their shapes and values (norms that
-             export changed by folding AWQ scales into them are recognised by the weights check); no unexplained
-             extra tensors.
-- canary     with a reference: 2 windows x 128 tokens of held-out pydoc text through the exported checkpoint run
-             with deployment numerics (engine=torch's load_exported) and through the reference; top-1 agreement and
-             mean KL(ref || export) against the bounds its precision states. It catches what tensors alone
-             cannot, such as activation scales that saturate.
+- index        what serving engines load against what is on disk: vLLM / SGLang read the shards
+               model.safetensors.index.json names, transformers model.safetensors when it exists. Shards missing, a
+               stale index, stray copies, or loaders that would build different models are errors.
+- declarations config.json's quantization_config (read by vLLM / SGLang) agrees with hf_quant_config.json (read by
+               TensorRT-LLM): quant_method, quant_algo, config_groups' bits / types / group size, kv_cache_scheme,
+               ignore vs exclude_modules, per-layer formats.
+- metadata     with a reference: the model config and generation config are unchanged.
+- tokenizer    with a reference: tokenizer.json section by section (model type, vocabulary, merges, added tokens,
+               normalizer, pre-tokenizer, decoder, post-processor), tokenizer_config's token keys, the ids and the
+               decoded text of a multilingual / code / whitespace / special-token sample, the chat template;
+               without one, the export's tokenizer decodes what it encodes.
+- coverage     per Linear, the format hf_quant_config.json declares against what is stored.
+- head         a quantized embedding; a tied model's stored output head quantized, or drifted in dtype or value.
+- scales       every scale tensor finite, positive, not underflowed.
+- kv_cache     k_scale / v_scale for every attention module when the KV cache is declared FP8, not all 1.0.
+- probe        with a reference: one forward of the reference on the canary's 2 x 128 held-out tokens, observed by hooks
+               (quantlab.audit.probe): each static input / KV scale applied to the activations it quantizes, the
+               norm whose output IS each Linear's input, the canary's reference logits.
+- format       each quantized layer read by the QLAYERS class of its declared format (dtype, shapes, tensors).
+- weights      with a reference: dequantized weight vs reference (cosine, SQNR, gain, and the spread of its
+               per-input-channel factors: a smoothing scale lost), folds credited only to the norm that feeds the
+               layer.
+- activations  with a reference: each static input scale (after smoothing) and KV scale loses at most its format's
+               bound of SQNR on held-out text against the best static scale (clipping), and reaches at most its
+               bound past the text's max (wasted range: unit errors); layers sharing an input share a scale.
+- tensors      every tensor the reference (or config.json) implies is present and unchanged where unquantized.
+- canary       with a reference: top-1 agreement and mean KL of the export run with deployment numerics.
 
-Bounds were set from healthy exports of every precision (tiny test models and SmolLM2-135M, bench/audit_bench.py)
-with a wide margin below the worst healthy value; the damage the audit exists for lands far outside them.
+Every error and warning says what a serving engine does with the checkpoint (`consequence`) and the `fix`. The
+bounds are each precision's (quantlab.precisions: AuditBounds; KV formats: KvFormat.audit), set from the healthy
+exports measured by bench/audit_healthy.py; docs/audit.md lists what each check catches, its bounds and its
+measured false-alarm rate.
 """
 from quantlab.audit.checks import audit, open_checkpoint
-from quantlab.audit.report import AUDIT_SCHEMA, AuditReport, Finding
+from quantlab.audit.report import AUDIT_SCHEMA, AuditReport, Finding, abbreviate
 
-__all__ = ["AUDIT_SCHEMA", "AuditReport", "Finding", "audit", "open_checkpoint"]
+__all__ = ["AUDIT_SCHEMA", "AuditReport", "Finding", "abbreviate", "audit", "open_checkpoint"]

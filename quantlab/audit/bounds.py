@@ -1,8 +1,9 @@
 """The bounds the audit holds each format to, read from the precision registry (every precision states its own:
-quantlab.precisions.AuditBounds), and the figures that are format-independent (gain, report caps)."""
+quantlab.precisions.AuditBounds; every KV cache format its ScaleBounds), and the figures that are format-independent
+(gain, report caps)."""
 from __future__ import annotations
 
-from quantlab.precisions import CanaryBounds, WeightBounds, precision_by_algo
+from quantlab.precisions import KV_FORMATS, CanaryBounds, ScaleBounds, WeightBounds, precision_by_algo
 
 # formats quantlab has no precision for (a checkpoint made elsewhere): loose, so only gross damage is an error
 DEFAULT_WEIGHT_BOUNDS = WeightBounds(cosine_error=0.9, sqnr_error_db=6.0, sqnr_warn_db=9.0)
@@ -27,3 +28,16 @@ def canary_bounds(algos: set[str]) -> CanaryBounds:
     found = found or [DEFAULT_CANARY_BOUNDS]
     return CanaryBounds(min(b.top1_error for b in found), min(b.top1_warn for b in found),
                         max(b.kl_error for b in found), max(b.kl_warn for b in found))
+
+
+def activation_bounds(algo: str) -> ScaleBounds | None:
+    """The activation-scale bounds of a format (None: no static activation scale, or a format quantlab does not
+    make: its scales are checked for sanity only)."""
+    precision = precision_by_algo(algo)
+    return precision.audit.activations if precision is not None and precision.audit else None
+
+
+def kv_bounds(kv_algo: str | None) -> ScaleBounds | None:
+    """The k_scale / v_scale bounds of a KV cache format (its registry entry's), None when it has none."""
+    entry = KV_FORMATS.find(lambda f: f.quant_algo is not None and f.quant_algo == kv_algo)
+    return entry.audit if entry is not None else None

@@ -28,16 +28,22 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
         a.skipped.append(f"canary: engine=torch does not run {', '.join(unknown)}")
         return
     start = time.time()
-    ids = _canary_ids(load_tokenizer(a.ref), windows, tokens)
+    if a.probe is not None and a.probe.ids.shape[0] >= windows and a.probe.ids.shape[1] == tokens:
+        # the probe ran the reference on these windows already (its first ones: the same text, the same ids)
+        ids, ref_logits = a.probe.ids[:windows], a.probe.logits[:windows]
+    else:
+        ids = _canary_ids(load_tokenizer(a.ref), windows, tokens)
+        with torch.no_grad():
+            reference = load_model(a.ref, a.device, a.dtype)
+            ref_logits = reference(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
+            del reference  # one model in memory at a time
     with torch.no_grad():
-        reference = load_model(a.ref, a.device, a.dtype)
-        ref_logits = reference(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
-        del reference  # one model in memory at a time
         try:
             model, _ = load_exported(a.ckpt, a.device, a.dtype)
         except QuantlabError as exc:
             a.add(ERROR, "canary", [], f"the export does not load with deployment numerics: {exc.problem}",
-                  "see the tensor findings above; an engine would refuse this checkpoint")
+                  "see the tensor findings above", consequence="engines refuse this checkpoint at load",
+                  fix="fix the findings above and re-export")
             return
         logits = model(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
         del model
@@ -58,12 +64,18 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
     if not finite or top1 < b.top1_error or kl_mean > b.kl_error:
         a.add(ERROR, "canary", [], f"the exported checkpoint's logits diverge from the reference: {text}; "
               f"healthy {'/'.join(sorted(algos))} exports stay above top-1 {b.top1_error} and below KL "
-              f"{b.kl_error}", "a broken layer the tensor checks cannot see (activation or KV scales that "
-              "saturate, layers in the wrong order) or one they reported above")
+              f"{b.kl_error}", "a broken layer the tensor checks cannot see (layers in the wrong order, an "
+              "engine-level difference) or one they reported above",
+              consequence="served with these numerics the model predicts other tokens than the reference on "
+              "ordinary text: quality far below what the format delivers when healthy",
+              fix="fix the findings above; if there are none, re-export and compare the fake-quant model with the "
+              "export (quantlab eval.attribution=true)")
     elif top1 < b.top1_warn or kl_mean > b.kl_warn:
         a.add(WARNING, "canary", [], f"the exported checkpoint's logits are further from the reference than "
               f"healthy exports of its format: {text} (warn below top-1 {b.top1_warn} / over KL {b.kl_warn})",
-              "a format too aggressive for this model, or a partly broken layer: run the evaluation")
+              "a format too aggressive for this model, or a partly broken layer",
+              consequence="served as is, quality is below healthy exports of this format",
+              fix="run the evaluation (the gate decides); compare with another calibration or format")
     else:
         a.add(INFO, "canary", [], f"logits canary: {text}")
 

@@ -40,18 +40,34 @@ def check_coverage(a: AuditState) -> None:
               f"by hf_quant_config.json are stored unquantized ({', '.join(dtypes)} weights){same}{extra}",
               "their quantizers were disabled or never calibrated (an MoE expert that received no calibration "
               "tokens, a module class the recipe's patterns missed), or export wrote the original weights: the "
-              "output is not quantized although the checkpoint says it is")
+              "output is not quantized although the checkpoint says it is",
+              consequence=("vLLM, SGLang and TensorRT-LLM build these layers as the config declares: quantized "
+                           "kernels over plain float weights and no scales (the load fails on the missing "
+                           "weight_scale / dtype, or runs garbage); transformers-based tools run them unquantized: "
+                           "what is served is not what was measured"),
+              fix=("re-export so the declared layers carry their codes and scales, or list them in exclude_modules /"
+                   " ignore if they are meant to stay in high precision"))
     if stray:
         a.add(ERROR, "coverage", stray, f"{len(stray)} module(s) are stored quantized "
               f"({', '.join(sorted({a.t.dtype_of(m + '.weight') for m in stray}))} codes) although "
               "hf_quant_config.json " + ("does not list them" if a.quant.mixed else "excludes them"),
               "a quantizer stayed enabled on a module the recipe keeps in high precision (output head, "
               "vision tower, router), or exclude_modules was edited: loaders that honour the config read the "
-              "codes as plain weights")
+              "codes as plain weights",
+              consequence=("engines that honour exclude_modules build a float layer and read the codes as values "
+                           "(off by their scale: garbage outputs); engines that ignore the list quantize where the "
+                           "checkpoint says not to"),
+              fix=("re-export with the module excluded (its quantizer disabled), or remove it from exclude_modules "
+                   "and ignore if it is meant to be quantized"))
     if policy:
         a.add(WARNING, "coverage", policy, f"{len(policy)} output head / router / vision module(s) are "
               "quantized", "ModelOpt's recipes keep these in high precision; a pattern such as *lm_head* did "
-              "not match (renamed module), or a search chose it: check the quality cost")
+              "not match (renamed module), or a search chose it: check the quality cost",
+              consequence=("vLLM's ModelOpt loader keeps output heads and routers in high precision: a quantized "
+                           "head's codes and scales do not load into it (a load error or codes read as values); "
+                           "where it runs, the head's error lands on every logit"),
+              fix=("keep the head / router / vision modules out of quantization (ModelOpt's default patterns) and "
+                   "re-export, unless a measured search chose them on purpose"))
     per_class: dict[str, list] = {}
     for module in lay.linears:
         fmt = a.declared[module]
@@ -87,7 +103,11 @@ def check_fused_groups(a: AuditState) -> None:
               "export checks equal formats only when the group's first member is not FP8 (\"Modules have "
               "different quantization formats\"), and never across experts: a per-layer search, a hand "
               "config, or experts that received no calibration tokens left one group in several formats; "
-              "engines fusing q/k/v, gate/up or the experts refuse it or run one format for all")
+              "engines fusing q/k/v, gate/up or the experts refuse it or run one format for all",
+              consequence=("vLLM and TensorRT-LLM fuse these layers into one GEMM with one format: they refuse the "
+                           "checkpoint ('different quantization formats') or run one member's format for all"),
+              fix=("give every member of a fused group one format and group size (the search's groups do) "
+                   "and re-export"))
 
 
 def _format_label(fmt: LayerFormat | None) -> str:

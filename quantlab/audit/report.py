@@ -1,27 +1,33 @@
-"""What an audit reports: findings (severity, check, modules, message, likely cause) and the AuditReport with
-per-check timings, per-layer weight statistics and the canary's figures; module names abbreviated for messages."""
+"""What an audit reports: findings (severity, check, modules, message, likely cause, what a serving engine does with
+such a checkpoint, the fix) and the AuditReport with per-check timings, per-layer weight and activation-scale
+statistics and the canary's figures; module names abbreviated for messages."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from quantlab.errors import QuantlabError
 
-AUDIT_SCHEMA = "quantlab.audit/1"
+AUDIT_SCHEMA = "quantlab.audit/2"
+READABLE_SCHEMAS = ("quantlab.audit/1", AUDIT_SCHEMA)  # /1: no consequence, fix or activation rows
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITIES = (ERROR, WARNING, INFO)
-CHECKS = ("metadata", "coverage", "scales", "kv_cache", "format", "weights", "tensors", "canary")
+CHECKS = ("index", "declarations", "metadata", "tokenizer", "coverage", "head", "scales", "kv_cache", "activations",
+          "format", "weights", "tensors", "canary")
 
 
 @dataclass
 class Finding:
     """One thing the audit found: how bad it is, which check found it, the modules (or tensors) concerned, what is
-    wrong and what most likely caused it."""
+    wrong, what most likely caused it, what a serving engine (vLLM, SGLang, TensorRT-LLM, transformers) does with
+    such a checkpoint, and how to fix it."""
 
     severity: str  # error | warning | info
     check: str  # one of CHECKS
     modules: list[str]
     message: str
     cause: str = ""
+    consequence: str = ""  # what an engine loading this checkpoint does: loads the wrong tensor, fails, clips, ...
+    fix: str = ""
 
     def to_dict(self) -> dict:
         """Plain JSON types."""
@@ -30,7 +36,8 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict) -> Finding:
         """The inverse of to_dict."""
-        return cls(d["severity"], d["check"], list(d.get("modules") or []), d["message"], d.get("cause", ""))
+        return cls(d["severity"], d["check"], list(d.get("modules") or []), d["message"], d.get("cause", ""),
+                   d.get("consequence", ""), d.get("fix", ""))
 
 
 @dataclass
@@ -44,8 +51,10 @@ class AuditReport:
     findings: list[Finding] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per check, and "total"
     layers: list[dict] = field(default_factory=list)  # module, format, cosine, sqnr_db, gain, fold
+    activations: list[dict] = field(default_factory=list)  # module, kind, format, observed, covered, ratio
     canary: dict | None = None  # windows, tokens, positions, top1, kl_mean, kl_p99, nll ratio, bounds, seconds
     skipped: list[str] = field(default_factory=list)  # checks not run, with why
+    cpu_timings: dict[str, float] = field(default_factory=dict)  # CPU seconds (all threads) per check, and "total"
 
     @property
     def errors(self) -> list[Finding]:
@@ -72,21 +81,25 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         """The report as plain JSON types (audit.json, --json): schema, checkpoint, reference, quant_algo,
-        kv_cache_quant_algo, passed, summary, findings, timings, layers, canary, skipped."""
+        kv_cache_quant_algo, passed, summary, findings, timings, layers, activations, canary, skipped,
+        cpu_timings."""
         return {"schema": AUDIT_SCHEMA, "checkpoint": self.checkpoint, "reference": self.reference,
                 "quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
                 "passed": self.passed, "summary": self.summary(), "findings": [f.to_dict() for f in self.findings],
-                "timings": self.timings, "layers": self.layers, "canary": self.canary, "skipped": self.skipped}
+                "timings": self.timings, "layers": self.layers, "activations": self.activations,
+                "canary": self.canary, "skipped": self.skipped, "cpu_timings": self.cpu_timings}
 
     @classmethod
     def from_dict(cls, d: dict) -> AuditReport:
-        """The inverse of to_dict; a report of another schema version is refused."""
-        if d.get("schema") != AUDIT_SCHEMA:
+        """The inverse of to_dict; a report of a schema version this one cannot read is refused (version 1, without
+        consequences, fixes and activation rows, reads with those empty)."""
+        if d.get("schema") not in READABLE_SCHEMAS:
             raise QuantlabError(f"audit report schema {d.get('schema')!r} is not {AUDIT_SCHEMA}",
                                 fix="rerun the audit with this version of quantlab")
         return cls(d["checkpoint"], d.get("reference"), d.get("quant_algo"), d.get("kv_cache_quant_algo"),
                    [Finding.from_dict(f) for f in d.get("findings", [])], dict(d.get("timings", {})),
-                   list(d.get("layers", [])), d.get("canary"), list(d.get("skipped", [])))
+                   list(d.get("layers", [])), list(d.get("activations") or []), d.get("canary"),
+                   list(d.get("skipped", [])), dict(d.get("cpu_timings") or {}))
 
     def render(self, show_info: bool = True) -> str:
         """Plain text for a terminal: findings grouped by severity, each with its modules and likely cause."""
@@ -104,6 +117,10 @@ class AuditReport:
                     lines.append(f"      modules: {abbreviate(f.modules)}")
                 if f.cause:
                     lines.append(f"      likely cause: {f.cause}")
+                if f.consequence:
+                    lines.append(f"      in deployment: {f.consequence}")
+                if f.fix:
+                    lines.append(f"      fix: {f.fix}")
         for why in self.skipped:
             lines.append(f"  skipped: {why}")
         counts = self.summary()

@@ -66,7 +66,11 @@ def check_scales(a: AuditState) -> None:
     for kind, names in kinds.items():
         severity, what, cause = texts[kind]
         modules = sorted({n.rpartition(".")[0] for n in names}, key=_natural)
-        a.add(severity, "scales", modules, f"{len(names)} {what} (e.g. {worst[kind]})", cause)
+        a.add(severity, "scales", modules, f"{len(names)} {what} (e.g. {worst[kind]})", cause,
+              consequence=("engines multiply by these scales at every step: NaN / Inf propagate to every output, "
+                           "zeros silence the layer, negative scales flip signs, underflowed scales are flushed to "
+                           "zero by FTZ kernels"),
+              fix="recalibrate the affected layers (their quantizers saw no data, or overflowed) and re-export")
 
 
 def check_kv_cache(a: AuditState) -> None:
@@ -78,7 +82,11 @@ def check_kv_cache(a: AuditState) -> None:
             a.add(ERROR, "kv_cache", sorted({n.rpartition(".")[0] for n in present}),
                   f"{len(present)} k_scale / v_scale tensors, but hf_quant_config.json declares no KV cache "
                   "quantization", "kv_cache_quant_algo was lost from the config (edited, or written by another "
-                  "tool): engines run an unquantized cache, not the one calibrated")
+                  "tool): engines run an unquantized cache, not the one calibrated",
+                  consequence=("engines reading hf_quant_config.json run an unquantized (16-bit) KV cache and ignore"
+                               " the scales: not the cache that was calibrated and evaluated, and twice its memory"),
+                  fix=("set kv_cache_quant_algo (and config.json's kv_cache_scheme) to the format the scales belong "
+                       "to, or re-export without KV quantization"))
         return
     missing = [m for m in a.layout.attention
                if f"{m}.k_proj.k_scale" not in a.t or f"{m}.v_proj.v_scale" not in a.t]
@@ -87,7 +95,11 @@ def check_kv_cache(a: AuditState) -> None:
               f"{len(missing)} of {len(a.layout.attention)} attention module(s) have no k_scale / v_scale "
               f"(expected at <attention>.k_proj.k_scale and <attention>.v_proj.v_scale)",
               "the KV quantizers of these layers were disabled or never calibrated, or export did not write "
-              "them: engines fall back to scale 1.0 or refuse the checkpoint")
+              "them: engines fall back to scale 1.0 or refuse the checkpoint",
+              consequence=("vLLM uses a scale of 1.0 for attention layers without k_scale / v_scale (K/V above 448 "
+                           "saturate); TensorRT-LLM refuses the checkpoint"),
+              fix=("re-export with every attention module's KV quantizers calibrated (the recipe's *k_bmm_quantizer "
+                   "/ *v_bmm_quantizer entries must match them)"))
     if not present:
         return
     values = {n: float(a.t.get(n).float().reshape(-1)[0]) for n in present if a.t.shape_of(n) in ((), (1,))}
@@ -97,8 +109,14 @@ def check_kv_cache(a: AuditState) -> None:
               f"all {len(values)} KV cache scales are exactly 1.0",
               "a default, not a calibration result: the KV quantizers were never calibrated (the recipe's "
               "KV entries did not match the attention modules), or the exporter clamped every scale to >= 1.0; "
-              "K/V above 448 saturate and the cache is not the one evaluated")
+              "K/V above 448 saturate and the cache is not the one evaluated",
+              consequence=("engines run an FP8 cache with scale 1.0: K/V above 448 saturate and small values lose "
+                           "precision; not the cache that was calibrated"),
+              fix=("calibrate the KV quantizers (check that the recipe's KV entries match the attention modules) and"
+                   " re-export"))
     elif ones:
         a.add(WARNING, "kv_cache", sorted({n.rpartition(".")[0] for n in ones}),
               f"{len(ones)} of {len(values)} KV cache scales are exactly 1.0",
-              "these layers' KV quantizers were probably not calibrated (scale left at its default)")
+              "these layers' KV quantizers were probably not calibrated (scale left at its default)",
+              consequence="those layers' KV cache runs at scale 1.0 in every engine",
+              fix="calibrate the KV quantizers of these layers and re-export")

@@ -1,6 +1,8 @@
-"""One audit's shared state: its inputs (checkpoint, declared quantization, tensors, reference), the findings so
-far, and what one check hands another (norms a fold of AWQ scales explains, the 1-D tensors of each block). Each
-family of checks is a module of functions over it (metadata, coverage, scales, weights, tensors, canary)."""
+"""One audit's shared state: its inputs (checkpoint, what each loader reads of it, declared quantization, tensors,
+reference), the findings so far, and what one check hands another (the reference probe's activations and
+norm -> Linear relation, norms a fold of AWQ scales explains, the 1-D tensors of each block).
+Each family of checks is a module of functions over it (index, declarations, metadata, tokenizer, coverage, head,
+scales, activations, weights, tensors, canary)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +27,10 @@ KV_SUFFIXES = ("k_scale", "v_scale", "k_bias", "v_bias")
 class AuditState:
     """One audit: the inputs, the findings so far, and the state checks share."""
 
-    def __init__(self, ckpt: Path, quant: QuantConfig, config: dict, tensors: CheckpointTensors, ref, device, dtype):
+    def __init__(self, ckpt: Path, quant: QuantConfig, config: dict, tensors: CheckpointTensors, ref, device, dtype,
+                 views=None):
         self.ckpt, self.quant, self.config, self.t = ckpt, quant, config, tensors
+        self.views = views  # index.LoaderViews: the files on disk and what each loader reads
         self.ref = ref  # ModelRef or None
         self.device, self.dtype = device, dtype
         self.ref_headers = read_headers(ref.path) if ref else None
@@ -34,7 +38,9 @@ class AuditState:
         self.layout = _layout(ckpt)
         self.findings: list[Finding] = []
         self.layers: list[dict] = []
+        self.activations: list[dict] = []
         self.canary: dict | None = None
+        self.probe = None  # probe.ProbeResult: the reference forward's activations, norm -> Linear relation, logits
         self.skipped: list[str] = []
         self.folded: set[str] = set()  # 1-D tensors whose change a fold of AWQ scales explains
         self._vectors: dict[str, list] = {}  # block -> its 1-D tensors that differ from the reference
@@ -42,9 +48,12 @@ class AuditState:
         self.declared = {m: quant.format_of(m) for m in self.layout.linears}
         self.stored = {m: self._stored_state(m) for m in self.layout.linears}
 
-    def add(self, severity: str, check: str, modules, message: str, cause: str = "") -> None:
-        """Record a finding (modules sorted naturally, duplicates dropped)."""
-        self.findings.append(Finding(severity, check, sorted(set(modules), key=_natural), message, cause))
+    def add(self, severity: str, check: str, modules, message: str, cause: str = "", *, consequence: str = "",
+            fix: str = "") -> None:
+        """Record a finding (modules sorted naturally, duplicates dropped): what is wrong, its likely cause, what a
+        serving engine does with such a checkpoint and the fix."""
+        self.findings.append(Finding(severity, check, sorted(set(modules), key=_natural), message, cause,
+                                     consequence, fix))
 
     def _stored_state(self, module: str) -> str:
         dtype = self.t.dtype_of(f"{module}.weight")

@@ -91,10 +91,16 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
         modules, example, n = [m for m, _ in entries], entries[0][1], len(entries)
         if kind == "unreadable":
             a.add(ERROR, check, modules, f"{n} layer(s) cannot be read as {algo}: {example}",
-                  "hf_quant_config.json does not match the tensors")
+                  "hf_quant_config.json does not match the tensors",
+                  consequence=("engines build these layers from the declared format and fail on the tensors' shapes "
+                               "or dtypes at load"),
+                  fix="make hf_quant_config.json declare the format the tensors hold, or re-export")
         elif kind == "missing":
             a.add(ERROR, check, modules, f"{n} layer(s) declared {algo} have no {suffix} tensor (e.g. "
-                  f"{example})", _MISSING_CAUSE.get(suffix, "export did not write it"))
+                  f"{example})", _MISSING_CAUSE.get(suffix, "export did not write it"),
+                  consequence=("vLLM / TensorRT-LLM fail at load on the missing tensor, or run the layer with a "
+                               "default (1.0) scale"),
+                  fix="re-export with every quantizer of these layers calibrated")
         elif kind == "dtype":
             key = (algo, suffix, found)
             if key not in a._like:
@@ -105,11 +111,18 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
                   f"(e.g. {example}){like}",
                   "hf_quant_config.json declares another format than the one written (an edited config, a "
                   "config from another export, or a mixed-precision export whose per-layer list is wrong): "
-                  "engines misread every such layer")
+                  "engines misread every such layer",
+                  consequence=("engines misread every such layer (another format's codes decoded as this one's) or "
+                               "refuse the checkpoint"),
+                  fix=("make hf_quant_config.json declare the format the tensors hold (an edited or foreign config),"
+                       " or re-export"))
         else:
             a.add(ERROR, check, modules, f"{n} layer(s): {suffix} shapes do not match {algo} (e.g. {example})",
                   "the group size in hf_quant_config.json is not the one the weights were quantized with, or "
-                  "scales were transposed / concatenated wrongly (fused layers, sharded writers)")
+                  "scales were transposed / concatenated wrongly (fused layers, sharded writers)",
+                  consequence=("engines fail at load on the scale shapes, or (where shapes happen to fit) apply "
+                               "scales to the wrong groups of weights"),
+                  fix="declare the group size the weights were quantized with, or re-export")
 
 
 def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict | None:
@@ -123,7 +136,9 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict
     deq = layer.dequantized_weight().float()
     if deq.shape != ref_w.shape:
         a.add(ERROR, "weights", [module], f"dequantized weight has shape {list(deq.shape)}, the reference "
-              f"{list(ref_w.shape)}", "the export was made from another model")
+              f"{list(ref_w.shape)}", "the export was made from another model",
+              consequence="engines fail at load on the shapes",
+              fix="audit against the model the export was made from, or re-export from the intended model")
         return None
     pqs = getattr(layer, "pre_quant_scale", None)
     if pqs is not None:
@@ -143,7 +158,11 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict
 
 def _fold_candidates(a: AuditState, module: str, width: int):
     """Per-input scales export may have folded into a norm ahead of this layer (AWQ layers sharing an input):
-    exported / reference value of each changed 1-D tensor of the same block, and (1+w) norms' (1+w') / (1+w)."""
+    exported / reference value of the changed 1-D tensor whose output IS this layer's input in the reference
+    forward (the probe's relation), and (1+w) norms' (1+w') / (1+w). A layer the probe saw fed by no norm (o_proj,
+    down_proj) has no candidate: a smoothing scale missing there is not explained away by a norm of its block.
+    Layers the probe did not observe (experts fused in memory) fall back to every changed 1-D tensor of the
+    block."""
     import torch
 
     block = block_of(module)
@@ -156,8 +175,13 @@ def _fold_candidates(a: AuditState, module: str, width: int):
             ours, ref = a.t.get(name).float(), ref.float()
             if ours.shape == ref.shape and not torch.equal(ours, ref):
                 a._vectors[block].append((name, ours, ref))
+    feeder = None
+    if a.probe is not None and module in a.probe.seen:
+        feeder = a.probe.feeds.get(module)
+        if feeder is None:
+            return
     for name, ours, ref in a._vectors[block]:
-        if ours.shape[0] != width:
+        if ours.shape[0] != width or (feeder is not None and name.rpartition(".")[0] != feeder):
             continue
         for new, old in ((ours, ref), (1 + ours, 1 + ref)):
             ratio = new / torch.where(old.abs() > 1e-12, old, torch.ones_like(old))
@@ -166,6 +190,7 @@ def _fold_candidates(a: AuditState, module: str, width: int):
 
 def _judge_weights(a: AuditState, stats: list[dict]) -> None:
     direction, noise, noisy, gain_bad, gain_warn = [], [], [], [], []
+    _judge_columns(a, stats)
     for row in stats:
         b = weight_bounds(row["format"])
         if row["cosine"] < b.cosine_error:
@@ -195,32 +220,72 @@ def _judge_weights(a: AuditState, stats: list[dict]) -> None:
               f"({bounds_text(direction)})",
               "codes and scales do not belong together: scales of another layer or block size, codes packed "
               "in another order, layers swapped or renamed, or weights quantized from another model; a "
-              "low-memory export path that mis-scaled blocks gave cosine 0.756 with half-sized scales")
+              "low-memory export path that mis-scaled blocks gave cosine 0.756 with half-sized scales",
+              consequence=("every engine runs these layers with weights that are not the model's: outputs far from "
+                           "the reference"),
+              fix=("re-export; if the fault persists, find the writer that mismatches codes and scales (layer names,"
+                   " block order, packing)"))
     if noise:
         a.add(ERROR, "weights", [r["module"] for r in noise], f"{len(noise)} layer(s) dequantize with far "
               f"more error than the format allows: {describe(noise)} ({bounds_text(noise)})",
               "scales off by a factor (see gain), clipped or saturated codes, or an amax calibrated on the "
-              "wrong tensor")
+              "wrong tensor",
+              consequence=("every engine runs these layers with far more weight error than the format has when "
+                           "healthy"),
+              fix="re-export with correct scales (see gain for a constant factor)")
     if noisy:
         a.add(WARNING, "weights", [r["module"] for r in noisy], f"{len(noisy)} layer(s) dequantize with more "
               f"error than healthy exports of their format: {describe(noisy)}",
-              "outlier weights stretching the scales (check the layer), or an aggressive clipping search")
+              "outlier weights stretching the scales (check the layer), or an aggressive clipping search",
+              consequence=("served as is, these layers carry more quantization error than healthy exports of the "
+                           "format"),
+              fix="check the layer's weights for outliers; try a finer format or keep the layer in high precision")
     if gain_bad:
         a.add(ERROR, "weights", [r["module"] for r in gain_bad], f"{len(gain_bad)} layer(s) are scaled by a "
               "constant factor against the reference (gain = the factor that maps them back; 1.0 when "
               f"healthy): {describe(gain_bad)}",
               "weight scales halved / doubled or a per-tensor scale (weight_scale_2, a global scale) applied "
-              "twice or not at all, as in the low-memory NVFP4 export with half-sized scales")
+              "twice or not at all, as in the low-memory NVFP4 export with half-sized scales",
+              consequence=("every engine runs these layers scaled by the gain: activations grow or shrink layer "
+                           "after layer"),
+              fix="re-export with correct scales (a per-tensor or block scale applied twice, halved or missing)")
     elif gain_warn:
         a.add(WARNING, "weights", [r["module"] for r in gain_warn], f"{len(gain_warn)} layer(s) are scaled by "
               f"more than {GAIN_WARN:.0%} against the reference: {describe(gain_warn)}",
-              "a clipping search shrank the scales, or a scale is slightly off")
+              "a clipping search shrank the scales, or a scale is slightly off",
+              consequence="served as is, these layers are scaled slightly off the reference",
+              fix="compare with another calibration; re-export if the scale is wrong")
     if stats:
         worst = min(stats, key=lambda r: r["sqnr_db"])
         a.add(INFO, "weights", [], f"{len(stats)} quantized layers compared with the reference: SQNR "
               f"{min(r['sqnr_db'] for r in stats):.1f}-{max(r['sqnr_db'] for r in stats):.1f} dB (worst "
               f"{worst['module']}), cosine >= {min(r['cosine'] for r in stats):.4f}, gain "
               f"{min(r['gain'] for r in stats):.3f}-{max(r['gain'] for r in stats):.3f}")
+
+
+def _judge_columns(a: AuditState, stats: list[dict]) -> None:
+    """Layers whose dequantized weight matches the reference only after a rescale per input channel."""
+    for severity in (ERROR, WARNING):
+        rows = [r for r in stats if (r["column_spread"] > weight_bounds(r["format"]).column_spread_error
+                                     if severity == ERROR else
+                                     weight_bounds(r["format"]).column_spread_warn < r["column_spread"]
+                                     <= weight_bounds(r["format"]).column_spread_error)]
+        if not rows:
+            continue
+        rows.sort(key=lambda r: -r["column_spread"])
+        shown = ", ".join(f"{r['module']} {r['column_spread']:.3f} (smoothing: {r['fold'] or 'none'})"
+                          for r in rows[:3])
+        limit = (weight_bounds(rows[0]["format"]).column_spread_error if severity == ERROR
+                 else weight_bounds(rows[0]["format"]).column_spread_warn)
+        a.add(severity, "weights", [r["module"] for r in rows], f"{len(rows)} layer(s) match the reference only "
+              f"after a different factor per input channel (robust spread of log factor over {limit:g}: {shown})",
+              "a per-channel smoothing scale is missing or belongs to another layer: AWQ / SmoothQuant divided the "
+              "weight's input channels by it, and neither a pre_quant_scale nor a norm that feeds this layer "
+              "multiplies the input back",
+              consequence="every engine runs these layers with each input channel off by its smoothing factor "
+              "(vLLM's ModelOpt loaders also ignore a pre_quant_scale they do not expect)",
+              fix="re-export so the layer keeps its pre_quant_scale, or fold it into the module that feeds it "
+              "(the norm ahead of q/k/v and gate/up; v_proj / up_proj for o_proj / down_proj where shapes allow)")
 
 
 def _looks_like(t: CheckpointTensors, module: str, dims: tuple, fmt: LayerFormat) -> str | None:
@@ -249,17 +314,36 @@ def _group_guess(t: CheckpointTensors, module: str, in_features: int) -> int | N
 
 
 def _weight_stats(ref, eff) -> dict:
-    """cosine, SQNR (dB) and gain (the factor that best maps eff onto ref) of an effective dequantized weight against
-    the reference weight. float32 BLAS dot products: their relative error (~1e-6) is far below every bound."""
+    """cosine, SQNR (dB), gain (the factor that best maps eff onto ref) and column spread of an effective dequantized
+    weight against the reference weight. Column spread: the robust standard deviation (1.4826 x median absolute
+    deviation) of log c_j over the input columns, c_j the factor that best maps column j of eff onto the reference's
+    (columns holding real weight only); near 0 when healthy, the spread of the smoothing factors when a
+    pre_quant_scale is missing. Per-column sums of the products (one pass each, no temporaries), the totals summed
+    in float64 (the error energy as aa - 2 ab + bb: its rounding, ~1e-7 of aa, is far below every bound)."""
     import torch
 
-    a, b = ref.reshape(-1).float(), eff.reshape(-1).float()
-    d = a - b
-    aa, bb, ab, dd = (float(torch.dot(x, y)) for x, y in ((a, a), (b, b), (a, b), (d, d)))
+    a, b = ref.float(), eff.float()
+    if a.dim() != 2:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)
+    rr, ee, re = (torch.einsum("ij,ij->j", x, y) for x, y in ((a, a), (b, b), (a, b)))
+    aa, bb, ab = (float(v.sum(dtype=torch.float64)) for v in (rr, ee, re))
+    dd = max(aa - 2 * ab + bb, 0.0)
     cosine = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
     sqnr = 10 * math.log10(aa / dd) if dd > 0 and aa > 0 else (SQNR_CAP if aa > 0 else -SQNR_CAP)
     gain = ab / bb if bb > 0 else GAIN_CAP  # an all-zero dequantized weight: no factor maps it back
-    if not all(math.isfinite(x) for x in (cosine, sqnr, gain)):  # NaN / Inf in the weights: nothing matches
-        cosine, sqnr, gain = 0.0, -SQNR_CAP, GAIN_CAP
+    spread = _column_spread(rr, ee, re) if ref.dim() == 2 else 0.0
+    if not all(math.isfinite(x) for x in (cosine, sqnr, gain, spread)):  # NaN / Inf in the weights: nothing matches
+        cosine, sqnr, gain, spread = 0.0, -SQNR_CAP, GAIN_CAP, GAIN_CAP
     return {"cosine": round(min(cosine, 1.0), 6), "sqnr_db": round(max(-SQNR_CAP, min(sqnr, SQNR_CAP)), 3),
-            "gain": round(max(-GAIN_CAP, min(gain, GAIN_CAP)), 5)}
+            "gain": round(max(-GAIN_CAP, min(gain, GAIN_CAP)), 5), "column_spread": round(min(spread, GAIN_CAP), 5)}
+
+
+def _column_spread(rr, ee, re) -> float:
+    """Robust spread of log(re_j / ee_j) over the columns with real weight (rr, ee, re: per-column sums)."""
+    import torch
+
+    keep = (rr > 1e-6 * float(rr.median())) & (ee > 0) & (re > 0)
+    if int(keep.sum()) < 2:
+        return 0.0
+    logc = torch.log(re[keep] / ee[keep])
+    return float(1.4826 * (logc - logc.median()).abs().median())

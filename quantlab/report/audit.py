@@ -23,7 +23,9 @@ def write_audit_reports(run_dir: Path, report, model: str, precision: str, kv: s
     for f in report.errors:
         case = ET.SubElement(suite, "testcase", classname=name, name=f"audit.{f.check}")
         failure = ET.SubElement(case, "failure", message=f.message, type="audit")
-        failure.text = f"modules: {', '.join(f.modules)}\n{f.cause}"
+        failure.text = (f"modules: {', '.join(f.modules)}\n{f.cause}"
+                        + (f"\nin deployment: {f.consequence}" if f.consequence else "")
+                        + (f"\nfix: {f.fix}" if f.fix else ""))
     root = ET.Element("testsuites")
     root.append(suite)
     write_text_atomic(run_dir / "junit.xml", ET.tostring(root, encoding="unicode", xml_declaration=True))
