@@ -183,13 +183,14 @@ def test_plan_with_search_is_refused(tiny_llama, tmp_path):
 @pytest.fixture(scope="module")
 def searched(tiny_llama, tmp_path_factory):
     """int4 and fp8 per layer under a gate uniform int4 fails and uniform fp8 passes, so the search brackets the
-    boundary with mixed configurations and finds a winner. The bar is mean KL <= 6e-4 (top-1 relaxed to 0.9, which
-    every configuration clears by > 0.04): measured on this model, uniform int4's KL interval is [7.3e-4, 1.0e-3]
-    (fails outright), uniform fp8's [2.3e-4, 4.9e-4] (passes); top-1 >= 0.97 sat within 0.005 of both verdicts."""
+    boundary with mixed configurations and finds a winner. The bar is mean KL <= 9e-4 (top-1 relaxed to 0.9, which
+    every configuration clears by > 0.04): measured on this model at 8 windows from 5 documents (the documents are
+    the intervals' clusters), uniform int4's KL is 1.1e-3 with interval [6.7e-4, 3.0e-3] (undecided at the cap: a
+    FAIL), uniform fp8's 3.3e-4 with [2.1e-4, 8.0e-4] (passes)."""
     root = tmp_path_factory.mktemp("search")
     cache = root / "cache"
     args = [*SEARCH, f"model.path={tiny_llama}", "search.formats=[int4_awq,fp8]", "search.max_evaluations=4",
-            "gate.thresholds.top1_agreement.min=0.9", "gate.thresholds.kl_mean.max=0.0006", "hydra.run.dir=outputs/s"]
+            "gate.thresholds.top1_agreement.min=0.9", "gate.thresholds.kl_mean.max=0.0009", "hydra.run.dir=outputs/s"]
     t0 = time.time()
     res = run_cli(args, cwd=root, cache=cache, timeout=900)
     return {"root": root, "cache": cache, "args": args, "res": res, "run": root / "outputs" / "s",
