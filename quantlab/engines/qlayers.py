@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quantlab.checkpoint import CheckpointTensors, LayerFormat
+from quantlab.engines.int4_codes import unpack_int4
 from quantlab.errors import QuantlabError
 from quantlab.registry import Registry
 
@@ -75,16 +76,6 @@ def checked_group_size(name: str, in_features: int, block: int | None) -> int:
         raise QuantlabError(f"{name}: group_size {block} does not divide its input width {in_features}",
                             fix="re-export the checkpoint; its hf_quant_config.json does not match the tensors")
     return block
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N/2, K] (rows 2r in the low nibble, 2r+1 in the high nibble, two's complement) -> int8 [N, K]."""
-    low = (packed & 0x0F).to(torch.int16)
-    high = (packed >> 4).to(torch.int16)
-    low = torch.where(low >= 8, low - 16, low)
-    high = torch.where(high >= 8, high - 16, high)
-    out = torch.stack([low, high], dim=1)  # [N/2, 2, K]
-    return out.reshape(packed.shape[0] * 2, packed.shape[1]).to(torch.int8)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int, minimum: int = 0) -> torch.Tensor:

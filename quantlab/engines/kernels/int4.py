@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from quantlab.engines.int4_codes import unpack_int4
+
 log = logging.getLogger("quantlab")
 GEMV_MAX_ROWS = 1  # export layout: rows handled by the GEMV kernel; more rows use the tensor-core GEMM
 DENSE_ROWS = 256  # k8: from this many rows on, dequantize into a temporary and multiply with torch's GEMM
@@ -129,8 +131,6 @@ def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: 
               group: int) -> torch.Tensor:
     """The same arithmetic in plain torch (export layout): dequantize (q * scale in fp32, rounded to the compute
     dtype), GEMM."""
-    from quantlab.engines.qlayers import unpack_int4
-
     dtype = x.dtype
     if pqs is not None:
         x = x * pqs
@@ -148,8 +148,6 @@ def k8_supported(k: int, group: int) -> bool:
 def repack(packed: torch.Tensor, scales: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Export layout -> k8, on the tensors' device: codes uint8 [N/2, K] -> int32 [N, K/8], scales [N, K/group] ->
     [K/group, N] (contiguous). Chunked over rows (the int64 temporaries are 16x the codes)."""
-    from quantlab.engines.qlayers import unpack_int4
-
     n2, k = packed.shape
     out = torch.empty(2 * n2, k // 8, dtype=torch.int32, device=packed.device)
     step = max(1, rows_per_chunk // 2)
@@ -360,13 +358,6 @@ def _one_case(out: list, device: str, case: tuple, tensors: tuple, kernels: tupl
         row["worst"] = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
         row["ok"] = ok_shape and row["worst"] <= 1.0
         out.append(row)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """qlayers.unpack_int4 (imported late: qlayers imports this module)."""
-    from quantlab.engines.qlayers import unpack_int4 as unpack
-
-    return unpack(packed)
 
 
 def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0,
