@@ -362,15 +362,16 @@ def cmd_bounds(_args) -> None:
     from quantlab.precisions import KV_FORMATS, PRECISIONS
 
     print("| precision | weights: cosine / SQNR error (warn) / column spread error (warn) | canary: top-1 error "
-          "(warn) / KL error (warn) | activations: clip loss per layer error (warn) / median error / wasted-range "
-          "ratio error (warn) |")
+          "(warn) / KL error (warn) | activations: clip loss per layer error (warn) and reach ratio / median error / "
+          "wasted-range ratio error (warn) |")
     print("|---|---|---|---|")
     for name, p in PRECISIONS.items():
         if p.audit is None:
             print(f"| {name} | each layer by its own format's bounds | the loosest of its formats | per format |")
             continue
         w, c, act = p.audit.weights, p.audit.canary, p.audit.activations
-        acts = (f"{act.clip_error_db:g} dB ({act.clip_warn_db:g}) / {act.clip_median_error_db:g} dB / "
+        acts = (f"{act.clip_error_db:g} dB ({act.clip_warn_db:g}) and > {act.clip_ratio_error:g}x / "
+                f"{act.clip_median_error_db:g} dB / "
                 f"{act.waste_ratio_error:.3g} ({act.waste_ratio_warn:.3g})") if act else "no static scale"
         print(f"| {name} | {w.cosine_error:g} / {w.sqnr_error_db:g} dB ({w.sqnr_warn_db:g}) / "
               f"{w.column_spread_error:g} ({w.column_spread_warn:g}) | {c.top1_error:g} ({c.top1_warn:g}) / "
@@ -378,7 +379,8 @@ def cmd_bounds(_args) -> None:
     for name, kv in KV_FORMATS.items():
         if kv.audit is not None:
             b = kv.audit
-            print(f"| KV cache {name} | - | - | {b.clip_error_db:g} dB ({b.clip_warn_db:g}) / "
+            print(f"| KV cache {name} | - | - | {b.clip_error_db:g} dB ({b.clip_warn_db:g}) and > "
+                  f"{b.clip_ratio_error:g}x / "
                   f"{b.clip_median_error_db:g} dB / {b.waste_ratio_error:.3g} ({b.waste_ratio_warn:.3g}) |")
 
 
