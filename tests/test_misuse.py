@@ -465,3 +465,27 @@ def test_evaluating_on_the_calibration_text_is_said_and_refused_under_strict(tin
                       "gate=strict"], cwd=tmp_path, cache=tmp_path / "c")
     _exit2(strict, "the evaluation text is the calibration text")
     assert "refuse_calibration_overlap=false" in strict.stderr
+
+
+def test_calibration_overlap_names_copied_documents_and_passes_over_shared_boilerplate():
+    """data.overlap on token windows: a document calibration also read (all its tokens in shared runs of 32) is
+    named; another that shares one 40-token run (boilerplate two documents of one kind hold) is not; the overall
+    share counts both."""
+    import numpy as np
+    import torch
+
+    from quantlab.stages.data import TokenSet, overlap
+
+    g = torch.Generator().manual_seed(0)
+    calib = torch.randint(0, 50_000, (4, 128), generator=g)
+    copied = calib[1].clone()  # document 0: calibration's second window verbatim
+    other = torch.randint(0, 50_000, (3, 128), generator=g)  # document 1: new text ...
+    other[1, 50:90] = calib[3, 10:50]  # ... but one 40-token run of boilerplate
+    evalset = TokenSet("eval", "e", torch.stack([copied, *other]), {"identity": "e", "documents": {
+        "labels": {"0": "the copied topic", "1": "a new topic"}}}, docs=np.array([0, 1, 1, 1]),
+        positions=np.arange(4))
+    found = overlap(TokenSet("calib", "c", calib, {"identity": "c"}), evalset)
+    assert [d["document"] for d in found["copied_documents"]] == ["the copied topic"]
+    assert found["copied_documents"][0]["share"] == 1.0
+    assert found["share"] == pytest.approx((128 + 40) / (4 * 128))
+    assert found["windows"] == [0, 2] and not found["same_source"]

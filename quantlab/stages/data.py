@@ -659,6 +659,7 @@ def load(art, role: Role) -> TokenSet:
 
 
 OVERLAP_NGRAM = 32  # tokens: a shared run this long is copied text, not a common phrase
+COPIED_DOCUMENT = 0.5  # share of a document's evaluated tokens in copied runs that makes it a copied document
 
 
 def overlap(calib: TokenSet, evalset: TokenSet, n: int = OVERLAP_NGRAM) -> dict:
@@ -684,8 +685,15 @@ def overlap(calib: TokenSet, evalset: TokenSet, n: int = OVERLAP_NGRAM) -> dict:
         if hits:
             windows.append(w)
     share = float(covered.mean()) if covered.size else 0.0
+    copied = []  # documents whose evaluated windows lie mostly in copied runs: a document calibration also read
+    if evalset.docs is not None and covered.size:
+        docs = np.asarray(evalset.docs)
+        for doc in np.unique(docs):
+            part = float(covered[docs == doc].mean())
+            if part >= COPIED_DOCUMENT:
+                copied.append({"document": evalset.doc_label(int(doc)), "share": round(part, 4)})
     return {"ngram": n, "share": share, "windows": windows, "eval_windows": int(evalset.num_windows),
-            "same_source": calib.info.get("identity") == evalset.info.get("identity")}
+            "copied_documents": copied, "same_source": calib.info.get("identity") == evalset.info.get("identity")}
 
 
 def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore,
