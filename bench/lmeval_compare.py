@@ -44,6 +44,34 @@ metric_list:
 """
 
 
+def _parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--text",
+                    default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.valid.raw"))
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=2)
+    return ap.parse_args()
+
+
+def _formula_errors(model, first):
+    """Where a difference comes from: quantlab's NLL formula and log_softmax's on the same fp32 logits, each
+    against float64 (per token)."""
+    import torch
+
+    from quantlab.gate import metrics
+
+    with torch.no_grad():
+        logits = model(first, use_cache=False).logits.float()
+    target = first[:, 1:]
+    x = logits[:, :-1]
+    exact = torch.logsumexp(x.double(), -1) - x.double().gather(-1, target[..., None])[..., 0]
+    log_softmax_err = (-torch.log_softmax(x, -1).gather(-1, target[..., None])[..., 0]).double() - exact
+    ours_err = metrics.nll_and_argmax(x, target)[0].double() - exact
+    return ours_err, log_softmax_err
+
+
 def main() -> None:
     import torch
     from _converted import seed_converted_model
@@ -56,14 +84,7 @@ def main() -> None:
     from quantlab.pipeline import context
     from quantlab.stages import build, data, evaluate
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--text",
-                    default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.valid.raw"))
-    ap.add_argument("--windows", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
+    args = _parse_args()
     torch.manual_seed(0)
 
     from lm_eval import simple_evaluate
@@ -134,17 +155,7 @@ def main() -> None:
         ours, theirs = min(ours_all), min(theirs_all)
         nll = nll.double()
 
-        # where a difference comes from: both formulas on the same logits against float64
-        from quantlab.gate import metrics
-
-        with torch.no_grad():
-            first = probe.tokens[: args.batch]
-            logits = model(first, use_cache=False).logits.float()
-        target = first[:, 1:]
-        x = logits[:, :-1]
-        exact = torch.logsumexp(x.double(), -1) - x.double().gather(-1, target[..., None])[..., 0]
-        log_softmax_err = (-torch.log_softmax(x, -1).gather(-1, target[..., None])[..., 0]).double() - exact
-        ours_err = metrics.nll_and_argmax(x, target)[0].double() - exact
+        ours_err, log_softmax_err = _formula_errors(model, probe.tokens[: args.batch])
 
     samples = sorted(out["samples"]["quantlab_windows"], key=lambda s: s["doc_id"])
     lm_ll = [float(s["resps"][0][0]) if isinstance(s["resps"][0], (list, tuple)) else float(s["resps"][0])

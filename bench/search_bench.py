@@ -58,7 +58,8 @@ def autoquantize_sensitivity(overrides: list[str], searched):
     return cfg, choices, (searched if sens.key() == searched.key() else sens)
 
 
-def main() -> None:
+def _setup() -> argparse.Namespace:
+    """The command line, offline mode and quiet library logs."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw"))
     ap.add_argument("--cache", default="/tmp/searchbench_cache")
@@ -77,6 +78,11 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    return args
+
+
+def main() -> None:
+    args = _setup()
     from quantlab.compose import compose
     from quantlab.search import driver
     from quantlab.search.candidates import evaluate_candidate

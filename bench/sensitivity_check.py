@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def main() -> None:
+def _setup() -> argparse.Namespace:
+    """The command line, offline mode and quiet library logs."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wikitext-2-raw"))
     ap.add_argument("--cache", default="/tmp/searchbench_cache")
@@ -46,6 +47,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "modelopt", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return args
+
+
+def main() -> None:
+    args = _setup()
     import numpy as np
     import torch
     from modelopt.torch.opt.utils import get_hparam
