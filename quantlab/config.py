@@ -106,6 +106,7 @@ class EvalConfig(DataConfig):
     gen_prompt_len: int = 32
     gen_tokens: int = 32
     attribution: bool = False  # also evaluate the fake-quant model to split quantization vs engine loss
+    speed: bool = True  # on a GPU: decode / prefill speed and memory against the unquantized model (paired rounds)
 
 
 # ------------------------------------------------------------------------------------------ precision

@@ -195,6 +195,7 @@ class _Run:
         verdict["warnings"] = self.data_warnings + result.warnings + verdict["warnings"]  # the text's, then the gate's
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
+        doc["speed"] = self.speed()
         layers = run.values["audit"].layers if "audit" in run.values else []
         doc["weight_error"] = write_run_reports(self.run_dir, doc, result.kl_values, layers)
         documents.write_metrics(self.run_dir, doc)
@@ -206,6 +207,36 @@ class _Run:
                 f"{'PASS' if verdict['passed'] else 'FAIL'} (top-1 {m['top1_agreement']['value']:.3f}, ppl ratio "
                 f"{m['ppl_ratio']['value']:.3f}, KL {m['kl_mean']['value']:.4f})")
         return self.finish(code, what, doc)
+
+    def speed(self) -> dict:
+        """metrics.json's speed section: on a GPU, the checkpoint's decode / prefill speed and memory against the
+        unquantized model in paired rounds (quantlab.engines.speed); elsewhere why it was not measured."""
+        from quantlab.engines import decode
+        from quantlab.engines import speed as speed_check
+        from quantlab.engines.registry import ENGINES
+        from quantlab.stages.build import build_engine
+
+        ctx, cfg = self.ctx, self.cfg
+        if not cfg.eval.speed:
+            return speed_check.not_measured("eval.speed=false")
+        if ctx.device.type != "cuda":
+            return speed_check.not_measured(
+                "measured on a GPU only: on a CPU FP8 is emulated and INT4 is dequantized at load, so timings here "
+                "say nothing about serving speed")
+        if ctx.engine.name not in ("torch", "reference"):
+            return speed_check.not_measured(f"engine={ctx.engine.name} has no cached decode path in quantlab")
+        engines = []
+        try:
+            engines.append(build_engine(ctx.engine, self.executor))
+            engines.append(build_engine(ENGINES["reference"], self.executor))
+            result = speed_check.measure(engines[0], engines[1], ctx.device)
+        except decode.Unsupported as why:
+            result = speed_check.not_measured(f"the cached decode does not run this model: {why}")
+        finally:
+            for engine in engines:
+                engine.close()
+        log.info("%s", speed_check.describe(result))
+        return result
 
     def run_info(self, ref, result) -> dict:
         """metrics.json's "run" section: what ran, on which tokens, and what was spent."""

@@ -407,3 +407,29 @@ def test_decode_attention_kernel_under_triton_interpreter(family_model, exports)
         if "compiled" in row:
             assert row["compiled"] == {"ids_equal": True, "graphs": 1 + (name == "gemma2"), "breaks": {}}, (name, row)
     assert set(out["families"]) == set(paths) | set(fp8_kv)
+
+
+def test_speed_measurement_pairs_rounds_and_reports_intervals(tiny_llama):
+    """quantlab.engines.speed on the CPU (uncaptured: the structure, not the speed, is checked here; the GPU figures
+    are bench/decode.py's and a GPU run's metrics.json): paired rounds of both engines' cached decode, each batch's
+    medians inside their ranges, the speedup's interval around its median, KV and weight bytes of what is held.
+    The same model as candidate and reference gives equal bytes."""
+    import types
+
+    from quantlab.engines import speed
+
+    engines = [HFModelEngine(_load_family(tiny_llama), Limits(256, 256, 4), name)
+               for name in ("candidate", "reference")]
+    out = speed.measure(engines[0], engines[1], types.SimpleNamespace(name="cpu"), batches=(1, 2), capture=False)
+    assert out["measured"] and [b["batch"] for b in out["batches"]] == [1, 2]
+    assert out["weights_bytes"]["candidate"] == out["weights_bytes"]["reference"] > 0
+    for b in out["batches"]:
+        assert b["rounds"] == speed.ROUNDS and b["captured"] == {"candidate": False, "reference": False}
+        for side in ("candidate", "reference"):
+            d = b["decode_ms_per_token"][side]
+            assert 0 < d["min"] <= d["median"] <= d["max"]
+            assert b["prefill_tokens_per_s"][side] > 0 and b["kv_cache_bytes"][side] > 0
+        s = b["decode_speedup"]
+        assert s["ci"][0] <= s["value"] <= s["ci"][1]
+    assert out["batches"][1]["kv_cache_bytes"]["candidate"] == 2 * out["batches"][0]["kv_cache_bytes"]["candidate"]
+    assert "speed on cpu" in speed.describe(out) and "not measured (why)" in speed.describe(speed.not_measured("why"))

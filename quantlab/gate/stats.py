@@ -27,6 +27,7 @@ of PASS is at least 1 - beta. Both are checked by simulation, not asserted.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -565,3 +566,19 @@ def _solve_share(c: int, n: int, power: float) -> float:
     if st.binom.cdf(c, n, 1e-12) < power:
         return 0.0
     return optimize.brentq(lambda p: st.binom.cdf(c, n, p) - power, 1e-12, 1 - 1e-12)
+
+
+def median_interval(values: list[float], tail: float = 0.05) -> tuple[float, float, float]:
+    """(median, lo, hi): the median and its distribution-free bounds from order statistics, the k-th smallest and
+    k-th largest value for the largest k with P(Bin(n, 1/2) < k) <= tail (each bound fails with at most that
+    probability). Too few values for any k: (median, -inf, inf)."""
+    v = sorted(values)
+    n = len(v)
+    k, below, term = 0, 0.0, 0.5 ** n  # below = P(Bin < k); term = P(Bin = k)
+    while k < n // 2 and below + term <= tail:
+        below += term
+        k += 1
+        term = term * (n - k + 1) / k
+    if k == 0:
+        return statistics.median(v), -math.inf, math.inf
+    return statistics.median(v), v[k - 1], v[n - k]

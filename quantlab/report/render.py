@@ -96,7 +96,7 @@ def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
     return {"run": doc["run"], "gate": gate, "metrics": doc["metrics"], "provenance": doc["provenance"],
             "failed": [c for c in gate["checks"] if not c["passed"]], "baseline": gate.get("baseline"),
             "design": gate.get("design"), "behaviour": doc.get("behaviour"), "buckets": doc.get("buckets"),
-            "attribution": doc.get("attribution"), "generation": doc.get("generation"),
+            "attribution": doc.get("attribution"), "generation": doc.get("generation"), "speed": doc.get("speed"),
             "table_metrics": TABLE_METRICS, "definitions": {k: v.definition for k, v in METRICS.items()},
             "argv": " ".join(shell_quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}
 

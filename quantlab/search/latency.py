@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import statistics
 import time
 from pathlib import Path
 
 from quantlab.config import Config
+from quantlab.gate.stats import median_interval as _median_interval
 from quantlab.search.candidates import export_candidate
 from quantlab.search.frontier import Choice, LatencyModel, uniform
 from quantlab.search.sensitivity import Sensitivity
@@ -99,19 +99,8 @@ LOOK_ERROR = 0.05  # one-sided error of a decision over all its looks (Bonferron
 
 
 def median_interval(values: list[float], tail: float = LOOK_ERROR / MAX_ROUNDS_FACTOR) -> tuple[float, float, float]:
-    """(median, lo, hi): the median and its distribution-free bounds from order statistics, the k-th smallest and
-    k-th largest value for the largest k with P(Bin(n, 1/2) < k) <= tail (each bound fails with at most that
-    probability). Too few values for any k: (median, -inf, inf)."""
-    v = sorted(values)
-    n = len(v)
-    k, below, term = 0, 0.0, 0.5 ** n  # below = P(Bin < k); term = P(Bin = k)
-    while k < n // 2 and below + term <= tail:
-        below += term
-        k += 1
-        term = term * (n - k + 1) / k
-    if k == 0:
-        return statistics.median(v), -math.inf, math.inf
-    return statistics.median(v), v[k - 1], v[n - k]
+    """quantlab.gate.stats.median_interval at the latency search's per-look error."""
+    return _median_interval(values, tail)
 
 
 def decide_speedup(ratios: list[float], min_speedup: float) -> str:
