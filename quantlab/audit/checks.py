@@ -33,10 +33,15 @@ def open_checkpoint(checkpoint: str | Path) -> tuple[Path, QuantConfig, dict, Ch
     unusable: no such directory, no hf_quant_config.json or config.json, damaged JSON or safetensors headers.
     Nothing heavy is imported: bad input is refused in well under a second."""
     ckpt = Path(checkpoint).expanduser()
-    if not ckpt.is_dir():
+    if not ckpt.is_dir() and not (ckpt.is_file() and ckpt.suffix == ".gguf"):
         raise QuantlabError(f"checkpoint {ckpt} is not a directory" if ckpt.exists() else
                             f"checkpoint {ckpt} does not exist",
                             fix="pass the directory export_hf_checkpoint() wrote (hf_quant_config.json + safetensors)")
+    from quantlab.audit.foreign import open_foreign
+
+    foreign = open_foreign(ckpt)  # another tool's format (quantlab.formats); None for a ModelOpt export
+    if foreign is not None:
+        return ckpt, foreign.quant, foreign.config, foreign.tensors
     quant = read_quant_config(ckpt, required=True)
     config = read_json(ckpt / "config.json", "config")
     if config is None:
@@ -58,16 +63,24 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     if canary_windows < 1 or canary_tokens < 2:
         raise QuantlabError(f"a canary of {canary_windows} window(s) x {canary_tokens} token(s) is empty",
                             fix="use at least 1 window of 2 tokens, or turn the canary off")
-    ckpt, quant, config, tensors = open_checkpoint(checkpoint)
+    from quantlab.audit import foreign
+
+    opened = foreign.open_foreign(Path(checkpoint).expanduser()) if Path(checkpoint).expanduser().exists() else None
+    ckpt, quant, config, tensors = open_checkpoint(checkpoint) if opened is None else (
+        opened.path, opened.quant, opened.config, opened.tensors)
     ref = _reference(reference)
     device = resolve_device(device or "auto") if device is None or isinstance(device, str) else device
     dtype = dtype or resolve_dtype("auto", device)
     timings: dict[str, float] = {"setup": 0.0}
-    run = AuditState(ckpt, quant, config, tensors, ref, device, dtype)
+    if opened is not None:  # another tool's format: its own checks where its tensors differ (quantlab.audit.foreign)
+        run = foreign.ForeignAuditState(opened, ref, device, dtype)
+        steps = foreign.steps()
+    else:
+        run = AuditState(ckpt, quant, config, tensors, ref, device, dtype)
+        steps = [("metadata", metadata.check_metadata), ("coverage", coverage.check_coverage),
+                 ("scales", scales.check_scales), ("kv_cache", scales.check_kv_cache),
+                 ("format_weights", weights.check_layers), ("tensors", tensor_checks.check_tensors)]
     timings["setup"] = round(time.time() - start, 3)
-    steps = [("metadata", metadata.check_metadata), ("coverage", coverage.check_coverage),
-             ("scales", scales.check_scales), ("kv_cache", scales.check_kv_cache),
-             ("format_weights", weights.check_layers), ("tensors", tensor_checks.check_tensors)]
     if canary and ref is not None:
         steps.append(("canary", lambda a: canary_checks.check_canary(a, canary_windows, canary_tokens)))
     elif canary:

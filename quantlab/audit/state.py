@@ -25,13 +25,14 @@ KV_SUFFIXES = ("k_scale", "v_scale", "k_bias", "v_bias")
 class AuditState:
     """One audit: the inputs, the findings so far, and the state checks share."""
 
-    def __init__(self, ckpt: Path, quant: QuantConfig, config: dict, tensors: CheckpointTensors, ref, device, dtype):
+    def __init__(self, ckpt: Path, quant: QuantConfig, config: dict, tensors: CheckpointTensors, ref, device, dtype,
+                 hf_config=None):
         self.ckpt, self.quant, self.config, self.t = ckpt, quant, config, tensors
         self.ref = ref  # ModelRef or None
         self.device, self.dtype = device, dtype
         self.ref_headers = read_headers(ref.path) if ref else None
         self.ref_index = tensor_index(ref.path) if ref else None
-        self.layout = _layout(ckpt)
+        self.layout = _layout(ckpt, hf_config)  # hf_config: a checkpoint without config.json (quantlab.audit.foreign)
         self.findings: list[Finding] = []
         self.layers: list[dict] = []
         self.canary: dict | None = None
