@@ -473,15 +473,10 @@ DAMAGE = {
 @pytest.mark.parametrize("what", list(DAMAGE))
 def test_damaged_checkpoints_fail_the_audit(what, built, reference, tmp_path):
     from quantlab.audit.checks import audit
-    from quantlab.errors import QuantlabError
 
     name, damage = DAMAGE[what]
     ckpt = _damaged_copy(built, name, tmp_path, damage)
-    try:
-        report = audit(ckpt, reference, canary=False, device="cpu")
-    except QuantlabError as exc:  # refused outright (exit 2) is also a failure to pass
-        assert exc.exit_code == 2
-        return
+    report = audit(ckpt, reference, canary=False, device="cpu")  # a finding, not a refusal to audit
     assert report.errors, what
 
 
@@ -555,3 +550,22 @@ def test_truncated_packed_tensor_is_refused_at_load(built, tmp_path):
     with pytest.raises(QuantlabError, match="up_proj.weight_packed") as exc:
         _engine(ckpt)
     assert exc.value.exit_code == 2
+
+
+def test_audit_cli_exits_2_on_an_unquantized_model_and_0_on_a_healthy_export(built, reference, capsys):
+    """`python -m quantlab.audit DIR`: a plain model directory is no format quantlab reads (exit 2 naming what was
+    found); a healthy GPTQ export passes (exit 0)."""
+    from quantlab.audit.__main__ import main
+
+    assert main([str(reference), "--no-canary"]) == 2
+    assert "declares no quantization_config" in capsys.readouterr().err
+    ckpt, _, _ = built("gptq-v1-actorder")
+    assert main([str(ckpt), "--reference", str(reference), "--no-canary", "--device", "cpu"]) == 0
+
+
+def test_engine_checkpoint_of_another_tool_implies_precision_external(built):
+    """engine.checkpoint=DIR without a precision: a foreign format selects precision=external (nothing calibrated)."""
+    from quantlab.compose import implied
+
+    ckpt, _, _ = built("ct-fp8-dynamic")
+    assert "precision=external" in implied([f"engine.checkpoint={ckpt}"])
