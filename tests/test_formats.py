@@ -569,3 +569,28 @@ def test_engine_checkpoint_of_another_tool_implies_precision_external(built):
 
     ckpt, _, _ = built("ct-fp8-dynamic")
     assert "precision=external" in implied([f"engine.checkpoint={ckpt}"])
+
+
+# the f16 fields (d, m / dmin) of each block type, by byte offset: set to small finite values in random blocks
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+@pytest.mark.parametrize("kind", list(F16_FIELDS))
+def test_every_ggml_block_type_dequantizes_as_the_gguf_package_does(kind):
+    """Random blocks of every type quantlab reads (K-quants included, which the gguf package cannot write):
+    quantlab's dequantizer equals gguf.quants.dequantize bit for bit."""
+    import gguf
+
+    from quantlab.formats import ggml
+
+    values, size = ggml.BLOCKS[kind]
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(3, 2 * size), dtype=np.uint8)
+    for block in range(2):
+        for at in F16_FIELDS[kind]:
+            d = np.array(rng.uniform(-0.02, 0.02, size=3), dtype=np.float16).view(np.uint8).reshape(3, 2)
+            raw[:, block * size + at:block * size + at + 2] = d
+    theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(3, 2 * values)
+    ours = ggml.dequantize(torch.from_numpy(raw), kind).numpy()
+    assert np.array_equal(ours, theirs)
