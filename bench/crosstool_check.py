@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+F16_LIBRARY = "--fp32-gptq" not in sys.argv  # GPTQ / AWQ truth as the library computes it (f16), or exact fp32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -51,7 +52,9 @@ def independent(ckpt: Path, ref, fmt: str, scheme: str):
         qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
         layout = qc.get("checkpoint_format") or qc.get("format")
         deq = awq.dequant if layout == "gemm" else gptq.dequant
-        weights = {**common.passthrough(str(ckpt), sd), **deq(str(ckpt))}
+        # the library dequantizes in its scales' dtype (F16): the exact fp32 product rounded to it
+        weights = {k: v.to(torch.float16).float() if F16_LIBRARY else v for k, v in deq(str(ckpt)).items()}
+        weights = {**common.passthrough(str(ckpt), sd), **weights}
     act = "fp8_token" if "fp8 per-token" in scheme else "int8_token" if "int8 per-token" in scheme else None
     n, _hooks = common.apply(model, weights, act)
     return model, n, act
@@ -78,6 +81,7 @@ def main() -> int:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--fp32-gptq", action="store_true", help="GPTQ / AWQ truth in exact fp32, not rounded to f16")
     args = ap.parse_args()
     sys.path[:0] = [str(args.deq), str(args.data)]
     import data

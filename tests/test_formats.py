@@ -594,3 +594,22 @@ def test_every_ggml_block_type_dequantizes_as_the_gguf_package_does(kind):
     theirs = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(3, 2 * values)
     ours = ggml.dequantize(torch.from_numpy(raw), kind).numpy()
     assert np.array_equal(ours, theirs)
+
+
+def test_gptq_made_compressed_tensors_layers_are_audited_with_gptq_bounds(built, tmp_path):
+    """llm-compressor's recipe.yaml naming GPTQModifier: the layers are CT_PACKED_INT4_GPTQ (the same numerics), whose
+    audit bounds allow GPTQ's error compensation; without it, CT_PACKED_INT4 with the int4 bounds."""
+    from quantlab.audit.bounds import weight_bounds
+    from quantlab.formats import open_checkpoint
+
+    ckpt, _, _ = built("ct-w4a16-sym")
+    out = tmp_path / "gptq-made"
+    shutil.copytree(ckpt, out)
+    (out / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    GPTQModifier:\n      targets: Linear\n")
+    plain, gptq = open_checkpoint(ckpt), open_checkpoint(out)
+    module = "model.layers.0.mlp.down_proj"
+    assert plain.quant.format_of(module).quant_algo == "CT_PACKED_INT4"
+    assert gptq.quant.format_of(module).quant_algo == "CT_PACKED_INT4_GPTQ"
+    assert weight_bounds("CT_PACKED_INT4_GPTQ").cosine_error < weight_bounds("CT_PACKED_INT4").cosine_error
+    engine, plan = _engine(out)
+    assert plan["formats"] == {"CT_PACKED_INT4_GPTQ": 14}

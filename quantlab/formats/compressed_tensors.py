@@ -100,9 +100,9 @@ def _activations(path: Path, group: str, a) -> dict:
     return {"activations": mode, "act_type": kind, "act_bits": bits}
 
 
-def _algo(storage: str, spec: dict) -> str:
+def _algo(storage: str, spec: dict, gptq: bool = False) -> str:
     if storage == "packed":
-        return f"CT_PACKED_INT{spec['bits']}"
+        return f"CT_PACKED_INT{spec['bits']}" + ("_GPTQ" if gptq and spec["bits"] < 8 else "")
     return "CT_FP8" if spec["kind"] == "float" else "CT_INT8"
 
 
@@ -153,10 +153,20 @@ def _groups(path: Path, qc: dict) -> list[tuple[str, list[str], ForeignLayer, di
         targets = g.get("targets") or []
         for target in targets:
             _target_kind(path, f"config_groups.{name}.targets", target)
-        layer = ForeignLayer(_algo(storage, spec), spec["group_size"], bits=spec["bits"], symmetric=spec["symmetric"],
+        algo = _algo(storage, spec, _made_by_gptq(path))
+        layer = ForeignLayer(algo, spec["group_size"], bits=spec["bits"], symmetric=spec["symmetric"],
                              strategy=spec["strategy"], block=spec["block"], marker="weight_scale", **act)
         out.append((name, list(targets), layer, g))
     return out
+
+
+def _made_by_gptq(path: Path) -> bool:
+    """llm-compressor's recipe.yaml beside the checkpoint names GPTQModifier (the weights were GPTQ-compensated)."""
+    recipe = path / "recipe.yaml"
+    try:
+        return recipe.is_file() and "GPTQModifier" in recipe.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 def _kv(path: Path, qc: dict) -> str | None:

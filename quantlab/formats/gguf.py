@@ -324,6 +324,13 @@ def token_mismatch(opened: Opened, tokenizer) -> str | None:
     for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)):
         if a != b:
             return f"token id {i} is {a!r} in the GGUF file and {b!r} in the reference tokenizer"
+    return None
+
+
+def special_token_mismatch(opened: Opened, tokenizer) -> str | None:
+    """BOS / EOS ids the GGUF file and the tokenizer disagree on (None: none). The evaluation scores the same ids
+    either way; generation would stop on another token."""
+    meta = metadata(opened)
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         ours = meta.get(f"tokenizer.ggml.{key}")
         ref = getattr(tokenizer, attr, None)
@@ -353,10 +360,17 @@ def pair_with_reference(opened: Opened, ref) -> None:
                 raise QuantlabError(f"engine.checkpoint {opened.path} was converted from another model: {name} "
                                     "(stored unquantized) differs from the reference's", fix=PAIRING_FIX)
             break
-    why = token_mismatch(opened, load_tokenizer(ref))
+    tokenizer = load_tokenizer(ref)
+    why = token_mismatch(opened, tokenizer)
     if why:
         raise QuantlabError(f"engine.checkpoint {opened.path} does not share the reference's vocabulary: {why}",
                             fix=PAIRING_FIX + " (the evaluation feeds both the reference tokenizer's ids)")
+    special = special_token_mismatch(opened, tokenizer)
+    if special:
+        import logging
+
+        logging.getLogger("quantlab").warning("GGUF %s: %s (scores are unaffected: both models read the same ids)",
+                                              opened.path.name, special)
 
 
 FORMAT = CheckpointFormat("gguf", "llama.cpp / gguf", detect, open_gguf, pair_with_reference)
