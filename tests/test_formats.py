@@ -613,3 +613,22 @@ def test_gptq_made_compressed_tensors_layers_are_audited_with_gptq_bounds(built,
     assert weight_bounds("CT_PACKED_INT4_GPTQ").cosine_error < weight_bounds("CT_PACKED_INT4").cosine_error
     engine, plan = _engine(out)
     assert plan["formats"] == {"CT_PACKED_INT4_GPTQ": 14}
+
+
+def test_gguf_with_zeroed_block_scales_fails_the_audit(built, reference, tmp_path):
+    """A Q4_0 tensor whose blocks' f16 scales were zeroed (offsets found with the gguf package's reader): an error."""
+    import gguf
+
+    from quantlab.audit.checks import audit
+
+    ckpt, _, _ = built("gguf-q4_0")
+    out = tmp_path / "damaged.Q4_0.gguf"
+    shutil.copy(ckpt, out)
+    target = next(t for t in gguf.GGUFReader(str(out)).tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray(out.read_bytes())
+    for block in range(target.n_bytes // 18):  # Q4_0: f16 d, then 16 bytes of nibbles
+        at = target.data_offset + block * 18
+        data[at:at + 2] = b"\x00\x00"
+    out.write_bytes(bytes(data))
+    report = audit(out, reference, canary=False, device="cpu")
+    assert any("scale 0" in f.message for f in report.errors), [f.message for f in report.findings]
