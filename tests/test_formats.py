@@ -177,10 +177,11 @@ def build_ct_w4a16(reference: Path, out: Path, symmetric: bool):
 AWQ_INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of an AWQ GEMM word holds column AWQ_INTERLEAVE[k] of its 8
 
 
-def build_gptq(reference: Path, out: Path, act_order: bool):
-    """GPTQ v1 (format gptq), 4 bit, symmetric, group 32, F16 scales: qweight [in/8, out] packed along the input
-    dimension, qzeros [groups, out/8] storing z - 1 = 7, and with act-order a g_idx assigning every input column
-    to a group (32 members each, not column // 32)."""
+def build_gptq(reference: Path, out: Path, act_order: bool, v2: bool = False):
+    """GPTQ, 4 bit, group 32, F16 scales: qweight [in/8, out] packed along the input dimension, qzeros [groups, out/8]
+    along the output dimension; v1 (format gptq): symmetric, zero 8 stored as z - 1 = 7; v2 (format gptq_v2):
+    asymmetric, zero points stored as they are. With act-order a g_idx assigns every input column to a group (32
+    members each, not column // 32)."""
     gen = torch.Generator().manual_seed(1)
     tensors, deq = {k: v.to(torch.bfloat16) for k, v in _plain_tensors(reference).items()}, {}
     for name, w in _linear_weights(reference).items():
@@ -190,16 +191,24 @@ def build_gptq(reference: Path, out: Path, act_order: bool):
         g_idx[torch.randperm(cols, generator=gen) if act_order else torch.arange(cols)] = \
             torch.arange(cols) // GROUP
         wt = w.t()  # [in, out]
-        s = torch.stack([wt[g_idx == g].abs().amax(0) / 7 for g in range(groups)]).to(torch.float16)  # [groups, out]
-        q = torch.clamp(torch.round(wt / s[g_idx].float()) + 8, 0, 15).long()  # [in, out] unsigned, zero 8
+        if v2:
+            lo = torch.stack([wt[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)
+            hi = torch.stack([wt[g_idx == g].amax(0) for g in range(groups)]).clamp(min=0)
+            s = ((hi - lo) / 15).to(torch.float16)  # [groups, out]
+            z = torch.clamp(torch.round(-lo / s.float()), 0, 15).long()
+        else:
+            s = torch.stack([wt[g_idx == g].abs().amax(0) / 7 for g in range(groups)]).to(torch.float16)
+            z = torch.full((groups, rows), 8, dtype=torch.int64)
+        q = torch.clamp(torch.round(wt / s[g_idx].float()) + z[g_idx], 0, 15).long()  # [in, out] unsigned
         tensors[f"{name}.qweight"] = _t(pack_fields(q.numpy().T, 4).T)
-        tensors[f"{name}.qzeros"] = _t(pack_fields(np.full((groups, rows), 7), 4))
+        tensors[f"{name}.qzeros"] = _t(pack_fields((z if v2 else z - 1).numpy(), 4))
         tensors[f"{name}.scales"] = s
         if act_order:
             tensors[f"{name}.g_idx"] = g_idx.to(torch.int32)
-        deq[name] = ((q - 8).to(torch.float16) * s[g_idx]).t().float()  # the format's kernels: f16 arithmetic
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order, "sym": True,
-          "format": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32", "lm_head": False,
+        deq[name] = ((q - z[g_idx]).to(torch.float16) * s[g_idx]).t().float()  # the format's kernels: f16
+    layout = "gptq_v2" if v2 else "gptq"
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": act_order, "sym": not v2,
+          "format": layout, "checkpoint_format": layout, "pack_dtype": "int32", "lm_head": False,
           "meta": {"quantizer": ["test-packer"]}}
     return _save(out, reference, tensors, qc), deq, None
 
@@ -342,6 +351,7 @@ BUILDERS = {
     "ct-w4a16-asym": (lambda r, o: build_ct_w4a16(r, o, False), "compressed-tensors", {"CT_PACKED_INT4": 14}),
     "gptq-v1-actorder": (lambda r, o: build_gptq(r, o, True), "gptq", {"GPTQ_INT4": 14}),
     "gptq-v1": (lambda r, o: build_gptq(r, o, False), "gptq", {"GPTQ_INT4": 14}),
+    "gptq-v2-asym-actorder": (lambda r, o: build_gptq(r, o, True, v2=True), "gptq", {"GPTQ_INT4": 14}),
     "awq-gemm": (lambda r, o: build_awq(r, o), "gptq", {"AWQ_GEMM_INT4": 14}),
     "gguf-q8_0": (lambda r, o: build_gguf(r, o, "Q8_0"), "gguf", {"GGUF_Q8_0": 14}),
     "gguf-q4_0": (lambda r, o: build_gguf(r, o, "Q4_0"), "gguf", {"GGUF_Q4_0": 14}),
@@ -418,7 +428,8 @@ def test_packer_round_trip_and_quantlab_unpack_agree():
 
 
 # --------------------------------------------------------------------------------------- the audit
-@pytest.mark.parametrize("name", ["ct-w4a16-asym", "gptq-v1-actorder", "awq-gemm", "gguf-q4_0", "ct-fp8-dynamic"])
+@pytest.mark.parametrize("name", ["ct-w4a16-asym", "gptq-v1-actorder", "gptq-v2-asym-actorder", "awq-gemm", "gguf-q4_0",
+                                  "ct-fp8-dynamic"])
 def test_healthy_checkpoints_pass_the_audit(name, built, reference):
     from quantlab.audit.checks import audit
 
@@ -465,6 +476,8 @@ DAMAGE = {
     "zero scales (GPTQ)": ("gptq-v1", _zero_scale("model.layers.1.mlp.up_proj.scales")),
     "swapped zero points (compressed-tensors)": ("ct-w4a16-asym",
                                                  _swap_zero_points("model.layers.0.mlp.down_proj.weight_zero_point")),
+    "swapped zero points (GPTQ v2)": ("gptq-v2-asym-actorder",
+                                      _swap_zero_points("model.layers.0.mlp.gate_proj.qzeros")),
     "swapped zero points (AWQ)": ("awq-gemm", _swap_zero_points("model.layers.0.mlp.gate_proj.qzeros")),
     "wrong packing order (AWQ)": ("awq-gemm", _plain_order("model.layers.1.self_attn.o_proj")),
 }
