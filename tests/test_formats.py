@@ -645,3 +645,14 @@ def test_gguf_with_zeroed_block_scales_fails_the_audit(built, reference, tmp_pat
     out.write_bytes(bytes(data))
     report = audit(out, reference, canary=False, device="cpu")
     assert any("scale 0" in f.message for f in report.errors), [f.message for f in report.findings]
+
+
+def test_precision_external_without_a_checkpoint_is_refused():
+    from conftest import compose
+
+    from quantlab.errors import QuantlabError
+    from quantlab.preflight import check_config
+
+    cfg, _ = compose(["precision=external"])
+    with pytest.raises(QuantlabError, match="evaluates a checkpoint made elsewhere"):
+        check_config(cfg)
