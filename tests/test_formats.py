@@ -656,3 +656,34 @@ def test_precision_external_without_a_checkpoint_is_refused():
     cfg, _ = compose(["precision=external"])
     with pytest.raises(QuantlabError, match="evaluates a checkpoint made elsewhere"):
         check_config(cfg)
+
+
+def test_compressed_tensors_fp8_kv_cache_scheme_is_applied(built, tmp_path):
+    """kv_cache_scheme {float, 8 bit, tensor, static} with <attention>.k_scale / v_scale [1]: the engine quantizes K
+    and V on every attention module (logits move, a little); a missing v_scale is exit 2 naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from quantlab.errors import QuantlabError
+
+    def with_kv(drop: str | None) -> Path:
+        out = _edit_config(built, "ct-fp8-dynamic", tmp_path / (drop or "kv"), _set(
+            ["kv_cache_scheme"], {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                  "symmetric": True}))
+        tensors = load_file(str(out / "model.safetensors"))
+        for n in range(LAYERS):
+            for kind in ("k_scale", "v_scale"):
+                name = f"model.layers.{n}.self_attn.{kind}"
+                if name != drop:
+                    tensors[name] = torch.tensor([0.02])  # e4m3 range +-9: above this model's K and V
+        save_file(tensors, str(out / "model.safetensors"))
+        return out
+
+    plain, _ = _engine(built("ct-fp8-dynamic")[0])
+    kv, plan = _engine(with_kv(None))
+    assert plan["kv_cache"].startswith("fp8 (k_scale / v_scale on 2 attention modules")
+    with torch.no_grad():
+        a, b = plain(IDS).logits, kv(IDS).logits
+    assert float((a - b).abs().max()) > 0 and float((a - b).abs().mean()) < 0.15 * float(a.std())
+    with pytest.raises(QuantlabError, match="v_scale") as exc:
+        _engine(with_kv("model.layers.1.self_attn.v_scale"))
+    assert exc.value.exit_code == 2
