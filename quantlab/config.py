@@ -148,7 +148,7 @@ class SearchConfig:
     resolution_bits: float = 0.05  # stop when the cheapest pass and the dearest fail are this close
     latency_batch: int = 1  # cost=latency: sequences per timed forward pass
     latency_tokens: Optional[int] = None  # cost=latency: tokens per sequence (null: eval.seq_len)
-    latency_repeats: int = 10  # cost=latency: timed passes per configuration (the median counts)
+    latency_repeats: int = 10  # cost=latency: paired rounds per look (more looks, up to 4, while undecided)
     min_speedup: float = 0.02  # cost=latency: a format must beat the unquantized model by this share to count
 
 

@@ -349,6 +349,7 @@ def test_bench_script_imports_and_its_quantlab_names_resolve(script, monkeypatch
     spec = importlib.util.spec_from_file_location(name, script)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setattr(sys, "argv", [str(script), "--help-not-run"])  # a main() run at import fails loudly
+    monkeypatch.setitem(sys.modules, name, module)  # as an import registers it (dataclasses look their module up)
     try:
         spec.loader.exec_module(module)  # main() must be guarded by `if __name__ == "__main__"`
     finally:

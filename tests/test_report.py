@@ -42,7 +42,11 @@ def _inject(run_dir: Path, out: Path) -> Path:
     out.mkdir(exist_ok=True)
     import numpy as np
 
-    write_run_reports(out, doc, np.asarray(doc["positions"]["kl_mean"]), [])
+    rows = doc["weight_error"]["weight_sqnr_worst"]  # the audit's rows the run kept (its five worst layers)
+    assert rows
+    for r in rows:
+        r["module"] = HOSTILE + r["module"]
+    write_run_reports(out, doc, np.asarray(doc["positions"]["kl_mean"]), rows)
     return out / "report.html"
 
 

@@ -184,8 +184,8 @@ def _judge(a: AuditState, rows: list[dict], what: str) -> None:
         loss = math.inf if row["loss_db"] is None else row["loss_db"]
         ratio = math.inf if row["ratio"] is None else row["ratio"]
         if ratio >= 1 or loss > b.clip_error_db:  # clipping (or a loss no range can explain)
-            severity, direction = (ERROR if loss > b.clip_error_db else WARNING if loss > b.clip_warn_db
-                                   else None), "clip"
+            severity, direction = (ERROR if loss > b.clip_error_db and ratio > b.clip_ratio_error
+                                   else WARNING if loss > b.clip_warn_db else None), "clip"
         else:
             severity, direction = (ERROR if ratio < b.waste_ratio_error else WARNING if ratio < b.waste_ratio_warn
                                    else None), "waste"
@@ -199,9 +199,10 @@ def _judge(a: AuditState, rows: list[dict], what: str) -> None:
                                                                else "")
         if direction == "clip":
             bound = b.clip_error_db if severity == ERROR else b.clip_warn_db
+            reach = f" and the text reaches over {b.clip_ratio_error:g}x past the scale" if severity == ERROR else ""
             message = (f"{len(found)} {scale}(s) cover too little of the activations they quantize: quantizing the "
                        f"reference's activations on held-out text with them loses more than {bound:g} dB of SQNR "
-                       f"against the best static scale ({shown})")
+                       f"against the best static scale{reach} ({shown})")
         else:
             bound = b.waste_ratio_error if severity == ERROR else b.waste_ratio_warn
             message = (f"{len(found)} {scale}(s) are far larger than the activations they quantize: the "

@@ -22,15 +22,21 @@ from quantlab.report.documents import TABLE_METRICS, fmt
 log = logging.getLogger("quantlab")
 
 
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>])")
+# what acts anywhere in a line: escapes, code spans, emphasis, links and images, table cells, strikethrough,
+# autolinks; an underscore only where it can open or close emphasis (not between letters or digits: int8_sq)
+_MD_SPECIAL = re.compile(r"([\\`*{}\[\]|~])|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_MD_LINE_START = re.compile(r"^(\s*)([#+\-=>]|\d+(?=[.)]))")  # headings, lists, rules, quotes at a line's start
 
 
 def md_escape(value) -> str:
-    """Any string made safe for one Markdown line or table cell: HTML-escaped, Markdown punctuation escaped,
-    control characters and line breaks folded into spaces."""
+    """Any string made safe for one Markdown line or table cell: HTML-escaped (no tag or entity survives),
+    every character that acts anywhere in a line escaped, what acts only at a line's start escaped there, control
+    characters and line breaks folded into spaces. What cannot act stays as written (int8_sq, smollm2-135m)."""
     text = "" if value is None else str(value)
     text = "".join(" " if (ord(ch) < 32 or ch in "\u2028\u2029\x7f") else ch for ch in text)
-    return _MD_SPECIAL.sub(r"\\\1", html.escape(text, quote=False))
+    text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), html.escape(text, quote=False))
+    return _MD_LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2).isdigit()
+                              else m.group(1) + m.group(2) + "\\", text, count=1)
 
 
 _SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")

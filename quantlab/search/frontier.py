@@ -256,6 +256,7 @@ class Evaluation:
         res = self.result
         m = res.doc["metrics"] if res.doc is not None else {}
         checks = res.doc["gate"]["checks"] if res.doc is not None else []
+        decided = {c["name"].split()[0]: c["ci"] for c in checks if c.get("ci")}
         counts: dict[str, int] = {}
         for name in self.candidate.assignment.values():
             counts[name] = counts.get(name, 0) + 1
@@ -263,7 +264,9 @@ class Evaluation:
                 "aq_bits": round(self.candidate.aq_bits, 4), "predicted_score": self.candidate.predicted,
                 "stored_bits_measured": self.stored_bits,
                 "formats": counts, "verdict": "PASS" if self.passed else "FAIL", "slack": round(slack(res.doc), 4),
-                "metrics": {k: {"value": m[k]["value"], "ci": m[k].get("ci95")} if k in m else
+                # each metric's interval is the one its gate check decided with (documents as clusters, at the
+                # deciding look's level); a metric the gate does not check shows its 95% interval over windows
+                "metrics": {k: {"value": m[k]["value"], "ci": decided.get(k, m[k].get("ci95"))} if k in m else
                             {"value": None, "ci": None} for k in ("top1_agreement", "ppl_ratio", "kl_mean")},
                 "failed": [c["name"] for c in checks if not c["passed"]] + [f"audit {e}" for e in res.audit_errors],
                 "windows": res.windows, "tokens": res.tokens, "run_dir": res.run_dir,

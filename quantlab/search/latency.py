@@ -10,14 +10,21 @@ The search's latency model (latency_profile here; its algebra is quantlab.search
 unquantized model and every uniform format are measured; a format's cost per weight is (uniform latency -
 unquantized latency) / searched weights, so a configuration's predicted latency is the unquantized latency plus,
 per group, its weights times its format's cost per weight (linear layers' work is proportional to their weights at a
-fixed token count). A format that is not at least `min_speedup` faster than the unquantized model when applied
-everywhere is not faster: its cost per weight is clamped at 0 (it then never beats `none`, which loses nothing).
-Every evaluated configuration is measured too, so the report shows predicted against measured.
+fixed token count). Every evaluated configuration is measured too, so the report shows predicted against measured.
+
+Deciding with noise: each uniform format is timed *paired* with the unquantized model, both loaded, in alternating
+rounds (A B B A ...), so a machine that gets busier or quieter slows both sides of a round alike; a round's ratio is
+format / unquantized. The median ratio's distribution-free bounds (order statistics, each at 5% / 4 one-sided: at
+most 4 looks) decide: the format is faster when the upper bound is below 1 - min_speedup, not faster when the lower
+bound is above; otherwise `repeats` more rounds are timed, up to 4 x repeats, and a format still undecided is treated as
+not faster ("within the timing noise": a search must not pick a winner from noise). A format that is not faster has
+its cost per weight clamped at 0 (it then never beats `none`, which loses nothing).
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -64,6 +71,96 @@ def time_forward(model, batch: int, tokens: int, repeats: int, warmup: int = 2) 
             "tokens": tokens}
 
 
+def _time_once(model, ids, kwargs, cuda: bool, device) -> float:
+    """Milliseconds of one forward pass (CUDA synchronized)."""
+    import torch
+
+    with torch.no_grad():
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(ids, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _forward_kwargs(model) -> dict:
+    kwargs = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    return kwargs
+
+
+MAX_ROUNDS_FACTOR = 4  # an undecided format is timed for up to this many times search.latency_repeats rounds
+
+
+LOOK_ERROR = 0.05  # one-sided error of a decision over all its looks (Bonferroni: an equal share per look)
+
+
+def median_interval(values: list[float], tail: float = LOOK_ERROR / MAX_ROUNDS_FACTOR) -> tuple[float, float, float]:
+    """(median, lo, hi): the median and its distribution-free bounds from order statistics, the k-th smallest and
+    k-th largest value for the largest k with P(Bin(n, 1/2) < k) <= tail (each bound fails with at most that
+    probability). Too few values for any k: (median, -inf, inf)."""
+    v = sorted(values)
+    n = len(v)
+    k, below, term = 0, 0.0, 0.5 ** n  # below = P(Bin < k); term = P(Bin = k)
+    while k < n // 2 and below + term <= tail:
+        below += term
+        k += 1
+        term = term * (n - k + 1) / k
+    if k == 0:
+        return statistics.median(v), -math.inf, math.inf
+    return statistics.median(v), v[k - 1], v[n - k]
+
+
+def decide_speedup(ratios: list[float], min_speedup: float) -> str:
+    """'faster', 'not faster' or 'undecided' for a format whose paired rounds gave these format / unquantized
+    ratios: the median ratio's bounds against 1 - min_speedup. Called at most MAX_ROUNDS_FACTOR times per format
+    (one look per batch of rounds), each bound at LOOK_ERROR / MAX_ROUNDS_FACTOR, so a format exactly at the
+    threshold is called faster with probability at most LOOK_ERROR."""
+    _, lo, hi = median_interval(ratios)
+    bound = 1.0 - min_speedup
+    if hi < bound:
+        return "faster"
+    if lo > bound:
+        return "not faster"
+    return "undecided"
+
+
+def time_paired(reference, candidate, batch: int, tokens: int, repeats: int, min_speedup: float,
+                warmup: int = 2) -> tuple[list[float], list[float], str]:
+    """Paired rounds of the reference (unquantized) and candidate models on the same ids, in A B B A order, until
+    decide_speedup decides or MAX_ROUNDS_FACTOR x repeats rounds were timed: (reference ms, candidate ms, decision;
+    'undecided' when the rounds ran out)."""
+    embed = reference.get_input_embeddings()
+    device = embed.weight.device
+    ids = _tokens(embed.num_embeddings, batch, tokens, device)
+    cand_ids = ids.to(candidate.get_input_embeddings().weight.device)
+    cuda = device.type == "cuda"
+    ref_kw, cand_kw = _forward_kwargs(reference), _forward_kwargs(candidate)
+    for _ in range(warmup):
+        _time_once(reference, ids, ref_kw, cuda, device)
+        _time_once(candidate, cand_ids, cand_kw, cuda, device)
+    ref_ms, cand_ms = [], []
+    decision = "undecided"
+    while len(ref_ms) < MAX_ROUNDS_FACTOR * repeats:
+        for i in range(repeats):
+            pair = [(reference, ids, ref_kw, ref_ms), (candidate, cand_ids, cand_kw, cand_ms)]
+            for model, x, kw, out in (pair if (len(ref_ms) + i) % 2 == 0 else pair[::-1]):
+                out.append(_time_once(model, x, kw, cuda, device))
+        decision = decide_speedup([c / r for c, r in zip(cand_ms, ref_ms, strict=True)], min_speedup)
+        if decision != "undecided":
+            break
+    return ref_ms, cand_ms, decision
+
+
+def _summary(times: list[float], batch: int, tokens: int) -> dict:
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {"ms": statistics.median(times), "iqr_ms": [q[0], q[2]], "repeats": len(times), "batch": batch,
+            "tokens": tokens}
+
+
 def measure_export(path: Path, device, dtype, batch: int, tokens: int, repeats: int,
                    device_map: str | None = None) -> dict:
     """The exported checkpoint's latency in engine=torch (loaded as the engine loads it)."""
@@ -106,11 +203,15 @@ def _empty_cache(device) -> None:
 
 
 def per_weight_costs(none_ms: float, uniform_ms: dict[str, float], searched_weights: int,
-                     min_speedup: float) -> tuple[dict[str, float], list[str]]:
-    """(format -> ms per weight relative to the unquantized model, formats treated as not faster). `none` is 0."""
+                     min_speedup: float, decisions: dict[str, str] | None = None) -> tuple[dict[str, float], list[str]]:
+    """(format -> ms per weight relative to the unquantized model, formats treated as not faster). `none` is 0.
+    With decisions (time_paired's per format), a format is faster only when its decision says so; without, when its
+    latency is at least min_speedup below none's."""
     costs, slow = {"none": 0.0}, []
     for name, ms in uniform_ms.items():
-        if ms <= (1.0 - min_speedup) * none_ms:
+        faster = (decisions[name] == "faster" if decisions is not None
+                  else ms <= (1.0 - min_speedup) * none_ms)
+        if faster:
             costs[name] = (ms - none_ms) / searched_weights
         else:
             costs[name] = max(ms - none_ms, 0.0) / searched_weights
@@ -129,7 +230,8 @@ def measure_latency(cfg: Config, ctx, path: Path | None, ref=None) -> dict:
 def latency_profile(sens: Sensitivity, choices: dict[str, Choice], ref, kv: str,
                     timings: dict[str, dict]) -> LatencyModel:
     """The unquantized model and every uniform format (exported; the exports are the search's own cached
-    artifacts) timed in engine=torch; each format's cost per weight from them.
+    artifacts) timed in engine=torch, each format paired with the unquantized model (time_paired); each format's
+    cost per weight from its median paired ratio.
 
     Args:
         sens: the search's sensitivity (config, context, groups and fixed parameters; exports the uniform formats).
@@ -141,17 +243,50 @@ def latency_profile(sens: Sensitivity, choices: dict[str, Choice], ref, kv: str,
     Returns:
         The latency model the frontier's costs come from.
     """
+    import gc
+
+    from quantlab.engines.torch_engine import load_exported
+    from quantlab.models import load_model
+
     cfg, ctx, groups = sens.cfg, sens.ctx, sens.groups
-    measured = {"none": measure_latency(cfg, ctx, None, ref)}
-    for name in choices:
-        if name == "none":
-            continue
-        path = export_candidate(sens, uniform(groups, choices, name, sens.fixed_params), kv)
-        measured[name] = timings[str(path)] = measure_latency(cfg, ctx, path)
+    s = cfg.search
+    batch, tokens = s.latency_batch, s.latency_tokens or cfg.eval.seq_len
+    reference = load_model(ref, ctx.device, ctx.dtype, cfg.model.device_map)
+    none_times: list[float] = []
+    measured: dict[str, dict] = {}
+    decisions: dict[str, str] = {}
+    try:
+        for name in choices:
+            if name == "none":
+                continue
+            path = export_candidate(sens, uniform(groups, choices, name, sens.fixed_params), kv)
+            model, plan = load_exported(Path(path), ctx.device, ctx.dtype, cfg.model.device_map)
+            try:
+                ref_ms, cand_ms, decision = time_paired(reference, model, batch, tokens, s.latency_repeats,
+                                                        s.min_speedup)
+            finally:
+                del model
+                gc.collect()
+                _empty_cache(ctx.device)
+            ratios = [c / r for c, r in zip(cand_ms, ref_ms, strict=True)]
+            ratio, lo, hi = median_interval(ratios)
+            none_times += ref_ms
+            measured[name] = timings[str(path)] = {
+                **_summary(cand_ms, batch, tokens), "kernels": plan.get("kernels"), "paired_none_ms":
+                statistics.median(ref_ms), "ratio": ratio, "ratio_interval": [lo, hi], "decision": decision}
+            decisions[name] = decision
+    finally:
+        del reference
+        gc.collect()
+        _empty_cache(ctx.device)
+    measured = {"none": _summary(none_times, batch, tokens), **measured}
     none_ms = measured["none"]["ms"]
-    per_weight, slow = per_weight_costs(none_ms, {n: m["ms"] for n, m in measured.items() if n != "none"},
-                                        sum(g.params for g in groups), cfg.search.min_speedup)
-    log.info("search: latency of a %d x %d prefill in engine=torch: %s", cfg.search.latency_batch,
-             cfg.search.latency_tokens or cfg.eval.seq_len,
-             ", ".join(f"{n} {m['ms']:.1f} ms" for n, m in measured.items()))
+    # a format's latency as the unquantized median times its paired ratio: drift between formats' rounds cancels
+    uniform_ms = {n: none_ms * m["ratio"] for n, m in measured.items() if n != "none"}
+    per_weight, slow = per_weight_costs(none_ms, uniform_ms, sum(g.params for g in groups), s.min_speedup,
+                                        decisions)
+    log.info("search: latency of a %d x %d prefill in engine=torch, each format paired with the unquantized "
+             "model: unquantized %.1f ms; %s", batch, tokens, none_ms,
+             ", ".join(f"{n} x{m['ratio']:.3f} [{m['ratio_interval'][0]:.3f}, {m['ratio_interval'][1]:.3f}] over "
+                       f"{m['repeats']} rounds: {m['decision']}" for n, m in measured.items() if n != "none"))
     return LatencyModel(none_ms, per_weight, measured, slow)
