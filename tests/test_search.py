@@ -339,6 +339,7 @@ def test_gate_only_the_unquantized_model_passes_exits_1_with_evidence(tiny_llama
     assert "No quantization passes" in (run / "report.md").read_text()
 
 
+@pytest.mark.slow  # real timings: the unit tier's version runs on a deterministic clock (test_newcomer.py)
 def test_latency_cost_measures_every_format_and_says_when_none_is_faster(tiny_llama, tmp_path):
     """search.cost=latency on this CPU: the unquantized model and each uniform format are exported and timed in
     engine=torch before any evaluation; with min_speedup 50% no format here is fast enough (FP8 is emulated on a
