@@ -55,7 +55,9 @@ def implied(overrides: Sequence[str]) -> list[str]:
     extra = []
     has_precision = _given(overrides, "precision") is not None
     checkpoint = _given(overrides, "engine.checkpoint")
-    if checkpoint and not has_precision:
+    if checkpoint and not has_precision and _made_elsewhere(checkpoint):
+        extra.append("precision=external")  # another tool's format (or a sweep over checkpoints): read from the files
+    elif checkpoint and not has_precision:
         from pathlib import Path
 
         from quantlab.checkpoint import read_quant_config
@@ -72,6 +74,18 @@ def implied(overrides: Sequence[str]) -> list[str]:
     elif _given(overrides, "search") and not has_precision:
         extra.append("precision=mixed")
     return extra
+
+
+def _made_elsewhere(checkpoint: str) -> bool:
+    """Whether engine.checkpoint names something other than one ModelOpt export: a checkpoint of another tool
+    (quantlab.formats), or several checkpoints swept with -m (A,B,C). An unknown layout is exit 2 here."""
+    from pathlib import Path
+
+    from quantlab.formats import detect
+
+    if "," in checkpoint and not Path(checkpoint).expanduser().exists():
+        return True
+    return detect(Path(checkpoint).expanduser()).name != "modelopt"
 
 
 def normalize(overrides: Sequence[str]) -> list[str]:

@@ -41,9 +41,10 @@ MOE_NO_SMOOTHQUANT = {"int8_sq": "ModelOpt 0.47 does not SmoothQuant fused MoE e
                                 "run it as declared (the audit reports it)"}
 FAMILIES: Registry[Family] = Registry("model family", "a model whose config.json model_type is one of")
 for _f in [
-    Family("llama", DENSE, gpu=GPU_DENSE),
+    Family("llama", DENSE + ("external",), gpu=GPU_DENSE,
+           notes="external: compressed-tensors, GPTQ / AWQ and GGUF checkpoints (tests/test_formats.py)"),
     Family("mistral", DENSE, gpu=GPU_DENSE, notes="sliding-window attention kept with FP8 KV"),
-    Family("qwen2", DENSE, gpu=GPU_DENSE),
+    Family("qwen2", DENSE + ("external",), gpu=GPU_DENSE),
     Family("qwen3", DENSE, gpu=GPU_DENSE),
     Family("phi3", DENSE, gpu=GPU_DENSE, notes="fused qkv_proj / gate_up_proj; FP8 KV scales on the attention module"),
     Family("olmo2", DENSE, gpu=GPU_DENSE),

@@ -95,7 +95,8 @@ def _default(path: str) -> str:
 
 def _groups() -> list[tuple[str, str, str]]:
     """(group, choices, what) for every config group."""
-    precisions = ", ".join(n for n, p in PRECISIONS.items() if p.modelopt_cfg) + ", mixed (from +search)"
+    precisions = (", ".join(n for n, p in PRECISIONS.items() if p.modelopt_cfg) + ", mixed (from +search), "
+                  "external (engine.checkpoint= of another tool: implied)")
     engines = ", ".join(n for n, e in ENGINES.items() if e.public)
     return [
         ("+precision=", precisions, "required: the quantization format"),

@@ -54,6 +54,12 @@ class MixedConfig(PrecisionConfig):
 
 
 @dataclass
+class ExternalConfig(PrecisionConfig):
+    """A checkpoint made by any tool quantlab reads (quantlab.formats: ModelOpt, compressed-tensors, GPTQ / AWQ,
+    GGUF): its format and KV cache are read from its files, never calibrated here (engine.checkpoint=...)."""
+
+
+@dataclass
 class Nvfp4Config(PrecisionConfig):
     """NVFP4 W4A4: E2M1 values in blocks of 16 with FP8 block scales and a per-tensor scale (Blackwell or newer)."""
 
@@ -193,6 +199,9 @@ PRECISIONS.add("nvfp4", Precision("nvfp4", Nvfp4Config, "NVFP4_DEFAULT_CFG", "NV
 
 PRECISIONS.add("mixed", Precision("mixed", MixedConfig, "", "MIXED_PRECISION", None, "per layer", 8,
                                   audit=None))
+# precision=external: the checkpoint's own files say its format (each layer class states its audit bounds)
+PRECISIONS.add("external", Precision("external", ExternalConfig, "", "EXTERNAL", None, "per checkpoint", 8,
+                                     audit=None))
 
 PRECISION_SCHEMAS: dict[str, type] = {name: p.schema for name, p in PRECISIONS.items()}
 

@@ -52,6 +52,10 @@ def check_config(cfg: Config) -> None:
         raise QuantlabError("precision=mixed evaluates a checkpoint with per-layer formats; quantlab makes one only "
                             "through the search", fix="pass engine.checkpoint=DIR, or run python -m quantlab "
                                                       "+search=cheapest to find and export one")
+    if precision.name == "external" and not getattr(cfg.engine, "checkpoint", None):
+        raise QuantlabError("precision=external evaluates a checkpoint made elsewhere; there is nothing to quantize",
+                            fix="pass engine.checkpoint=DIR (a ModelOpt, compressed-tensors, GPTQ / AWQ or GGUF "
+                                "checkpoint), or choose a precision quantlab makes (fp8, int4_awq, ...)")
     from quantlab.gate.checks import check_gate
 
     check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation

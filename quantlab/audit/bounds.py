@@ -13,18 +13,29 @@ GAIN_WARN = 0.05
 SQNR_CAP, GAIN_CAP = 999.0, 1e6  # report figures stay finite (strict JSON): an exact match reads 999 dB
 
 
+def _layer_bounds(algo: str):
+    """The bounds another tool's format states on its QLAYERS class (quantlab.engines.foreign), or None."""
+    from quantlab.engines.qlayers import QLAYERS
+
+    return getattr(QLAYERS[algo], "audit_bounds", None) if algo in QLAYERS else None
+
+
 def weight_bounds(algo: str) -> WeightBounds:
-    """The per-layer bounds of a format: its precision's, or a loose default for formats quantlab does not make."""
+    """The per-layer bounds of a format: its precision's, another tool's format's own, or a loose default."""
     precision = precision_by_algo(algo)
-    return precision.audit.weights if precision is not None and precision.audit else DEFAULT_WEIGHT_BOUNDS
+    if precision is not None and precision.audit:
+        return precision.audit.weights
+    layer = _layer_bounds(algo)
+    return layer.weights if layer is not None else DEFAULT_WEIGHT_BOUNDS
 
 
 def canary_bounds(algos: set[str]) -> CanaryBounds:
     """The loosest bounds among the formats present (a mixed export is judged by its most aggressive format)."""
     found = []
     for algo in algos:
-        precision = precision_by_algo(algo)
-        found.append(precision.audit.canary if precision is not None and precision.audit else DEFAULT_CANARY_BOUNDS)
+        precision, layer = precision_by_algo(algo), _layer_bounds(algo)
+        found.append(precision.audit.canary if precision is not None and precision.audit else
+                     layer.canary if layer is not None else DEFAULT_CANARY_BOUNDS)
     found = found or [DEFAULT_CANARY_BOUNDS]
     return CanaryBounds(min(b.top1_error for b in found), min(b.top1_warn for b in found),
                         max(b.kl_error for b in found), max(b.kl_warn for b in found))

@@ -42,10 +42,15 @@ def open_checkpoint(checkpoint: str | Path) -> tuple[Path, QuantConfig, dict, Ch
 
 def _open(checkpoint: str | Path) -> tuple[Path, QuantConfig, dict, CheckpointTensors, index.LoaderViews]:
     ckpt = Path(checkpoint).expanduser()
-    if not ckpt.is_dir():
+    if not ckpt.is_dir() and not (ckpt.is_file() and ckpt.suffix == ".gguf"):
         raise QuantlabError(f"checkpoint {ckpt} is not a directory" if ckpt.exists() else
                             f"checkpoint {ckpt} does not exist",
                             fix="pass the directory export_hf_checkpoint() wrote (hf_quant_config.json + safetensors)")
+    from quantlab.audit.foreign import open_foreign
+
+    foreign = open_foreign(ckpt)  # another tool's format (quantlab.formats); None for a ModelOpt export
+    if foreign is not None:
+        return ckpt, foreign.quant, foreign.config, foreign.tensors, None
     quant = read_quant_config(ckpt, required=True)
     config = read_json(ckpt / "config.json", "config")
     if config is None:
@@ -68,23 +73,34 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     if canary_windows < 1 or canary_tokens < 2:
         raise QuantlabError(f"a canary of {canary_windows} window(s) x {canary_tokens} token(s) is empty",
                             fix="use at least 1 window of 2 tokens, or turn the canary off")
-    ckpt, quant, config, tensors, views = _open(checkpoint)
+    from quantlab.audit import foreign
+
+    path = Path(checkpoint).expanduser()
+    opened = foreign.open_foreign(path) if path.exists() else None  # another tool's format (quantlab.formats)
+    if opened is None:
+        ckpt, quant, config, tensors, views = _open(checkpoint)
+    else:
+        ckpt, quant, config, tensors, views = opened.path, opened.quant, opened.config, opened.tensors, None
     ref = _reference(reference)
     device = resolve_device(device or "auto") if device is None or isinstance(device, str) else device
     dtype = dtype or resolve_dtype("auto", device)
     timings: dict[str, float] = {"setup": 0.0}
-    run = AuditState(ckpt, quant, config, tensors, ref, device, dtype, views)
+    if opened is not None:  # another tool's format: its own checks where its tensors differ (quantlab.audit.foreign)
+        run = foreign.ForeignAuditState(opened, ref, device, dtype)
+        steps = foreign.steps()
+    else:
+        run = AuditState(ckpt, quant, config, tensors, ref, device, dtype, views)
+        steps = [("index", index.check_index), ("declarations", declarations.check_declarations),
+                 ("metadata", metadata.check_metadata), ("tokenizer", tokenizer_checks.check_tokenizer),
+                 ("coverage", coverage.check_coverage), ("head", head.check_head), ("scales", scales.check_scales),
+                 ("kv_cache", scales.check_kv_cache)]
+        if ref is not None:  # one short reference forward: activations, norm -> Linear relation, the canary's logits
+            steps.append(("probe", lambda a: setattr(a, "probe", run_probe(  # on the canary's windows: one forward
+                a, canary_windows, canary_tokens, activations.input_specs(a), activations.kv_specs(a)))))
+        steps += [("format_weights", weights.check_layers), ("activations", activations.check_activations),
+                  ("tensors", tensor_checks.check_tensors)]
     timings["setup"] = round(time.time() - start, 3)
     cpu = {"setup": round(time.process_time() - cpu_start, 3)}
-    steps = [("index", index.check_index), ("declarations", declarations.check_declarations),
-             ("metadata", metadata.check_metadata), ("tokenizer", tokenizer_checks.check_tokenizer),
-             ("coverage", coverage.check_coverage), ("head", head.check_head), ("scales", scales.check_scales),
-             ("kv_cache", scales.check_kv_cache)]
-    if ref is not None:  # one short reference forward: activations, norm -> Linear relation, the canary's logits
-        steps.append(("probe", lambda a: setattr(a, "probe", run_probe(  # on the canary's windows: one forward
-            a, canary_windows, canary_tokens, activations.input_specs(a), activations.kv_specs(a)))))
-    steps += [("format_weights", weights.check_layers), ("activations", activations.check_activations),
-              ("tensors", tensor_checks.check_tensors)]
     if canary and ref is not None:
         steps.append(("canary", lambda a: canary_checks.check_canary(a, canary_windows, canary_tokens)))
     elif canary:

@@ -58,13 +58,14 @@ class Layout:
     tie_word_embeddings: bool
 
 
-def _layout(ckpt: Path) -> Layout:
-    """Built on the meta device from the export's config.json (no memory, ~0.1 s)."""
+def _layout(ckpt: Path, hf_config=None) -> Layout:
+    """Built on the meta device from the export's config.json, or the transformers config given (a GGUF file's,
+    quantlab.formats), with no memory (~0.1 s)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(ckpt)
+        config = hf_config if hf_config is not None else AutoConfig.from_pretrained(ckpt)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the structure, not transformers' view of the quantization
         with torch.device("meta"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantlab.audit.layout import _layout
+from quantlab.audit.layout import Layout, _layout
 from quantlab.audit.report import Finding, _natural
 from quantlab.checkpoint import (
     QUANTIZED_DTYPES,
@@ -35,7 +35,7 @@ class AuditState:
         self.device, self.dtype = device, dtype
         self.ref_headers = read_headers(ref.path) if ref else None
         self.ref_index = tensor_index(ref.path) if ref else None
-        self.layout = _layout(ckpt)
+        self.layout = self._layout_of(ckpt)
         self.findings: list[Finding] = []
         self.layers: list[dict] = []
         self.activations: list[dict] = []
@@ -47,6 +47,10 @@ class AuditState:
         self._like: dict[tuple, str | None] = {}  # (declared, tensor suffix, stored dtype) -> format the tensors fit
         self.declared = {m: quant.format_of(m) for m in self.layout.linears}
         self.stored = {m: self._stored_state(m) for m in self.layout.linears}
+
+    def _layout_of(self, ckpt: Path) -> Layout:
+        """The model's structure, built from the checkpoint's config.json (quantlab.audit.foreign: another source)."""
+        return _layout(ckpt)
 
     def add(self, severity: str, check: str, modules, message: str, cause: str = "", *, consequence: str = "",
             fix: str = "") -> None:

@@ -59,7 +59,8 @@ def _all_algos(_: str) -> bool:
 def _torch_supports(quant_algo: str) -> bool:
     from quantlab.engines.qlayers import QLAYERS
 
-    return quant_algo in QLAYERS or quant_algo == "MIXED_PRECISION"  # mixed: every layer's format checked at load
+    # mixed, external (any format of quantlab.formats): every layer's format checked at load
+    return quant_algo in QLAYERS or quant_algo in ("MIXED_PRECISION", "EXTERNAL")
 
 
 def _trtllm_available() -> str | None:

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantlab.checkpoint import QUANTIZED_DTYPES, CheckpointTensors, QuantConfig, read_quant_config
+from quantlab.checkpoint import QUANTIZED_DTYPES, CheckpointTensors, QuantConfig
 from quantlab.config import DEVICE_MAPS
+from quantlab.engines import foreign  # noqa: F401 - registers the layer classes of other tools' formats in QLAYERS
 from quantlab.engines.base import Limits
 from quantlab.engines.hf import HFModelEngine
 from quantlab.engines.moe import swap_experts
@@ -52,15 +53,16 @@ def check_formats(quant: QuantConfig, ckpt: Path) -> None:
                             fix="use engine=fakequant (simulation) or engine=trtllm for this format")
 
 
-def skeleton(ckpt: Path, dtype: torch.dtype):
-    """The model built from config.json on the meta device (no memory), its config, and the map from in-memory
-    tensor names to the checkpoint's (quantlab.families.memory_to_disk)."""
+def skeleton(ckpt: Path, dtype: torch.dtype, config=None):
+    """The model built from config.json (or the given transformers config: a GGUF file's) on the meta device (no
+    memory), its config, and the map from in-memory tensor names to the checkpoint's
+    (quantlab.families.memory_to_disk)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quantlab.families import memory_to_disk
     from quantlab.models import attn_implementation
 
-    config = AutoConfig.from_pretrained(ckpt)
+    config = config if config is not None else AutoConfig.from_pretrained(ckpt)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the quantized layers ourselves
     kwargs = {"dtype": dtype}
@@ -106,7 +108,8 @@ def swap_quantized_linears(model: nn.Module, t: CheckpointTensors, quant: QuantC
             continue
         disk = to_disk.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight")
         fmt = quant.format_of(disk)
-        if fmt is None or f"{disk}.weight_scale" not in t:
+        marker = getattr(QLAYERS[fmt.quant_algo], "marker", "weight_scale") if fmt is not None else None
+        if fmt is None or f"{disk}.{marker}" not in t:
             if t.dtype_of(f"{disk}.weight") in QUANTIZED_DTYPES:
                 t.get(f"{disk}.weight_scale")  # a quantized weight without its scale: report the missing tensor
             continue
@@ -185,10 +188,12 @@ def _base_attention(module: nn.Module, implementation: str):
 
 
 def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, where,
-                   to_memory: dict[str, str]) -> str | None:
+                   to_memory: dict[str, str], kv_names: tuple[str, str] = ("k_proj.k_scale", "v_proj.v_scale")
+                   ) -> str | None:
     """FP8 KV cache: K (after RoPE) and V quantized with the exported k_scale / v_scale where attention reads them.
-    The scales are named <attention>.k_proj.k_scale whatever the layout (Phi-3's fused qkv_proj, GPT-NeoX's
-    query_key_value), so they are resolved to the attention module, not to a linear."""
+    ModelOpt names the scales <attention>.k_proj.k_scale whatever the layout (Phi-3's fused qkv_proj, GPT-NeoX's
+    query_key_value), so they are resolved to the attention module, not to a linear; other formats name them
+    <attention>.<kv_names> (compressed-tensors: <attention>.k_scale), as a scalar or a 1-element tensor."""
     if quant.kv_cache_quant_algo is None:
         return None
     if quant.kv_cache_quant_algo != "FP8":
@@ -204,7 +209,8 @@ def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, w
     name = ATTN_NAME.format(base)
     AttentionInterface.register(name, _fp8_kv_attention)
     AttentionMaskInterface.register(name, sdpa_mask if base == "sdpa" else eager_mask)  # keeps sliding windows
-    attentions = sorted(n.removesuffix(".k_proj.k_scale") for n in t.names() if n.endswith(".k_proj.k_scale"))
+    k_name, v_name = kv_names
+    attentions = sorted(n.removesuffix(f".{k_name}") for n in t.names() if n.endswith(f".{k_name}"))
     if not attentions:
         raise QuantlabError(f"checkpoint {t.ckpt} says kv_cache_quant_algo=FP8 but holds no k_scale tensor",
                             fix="re-export the checkpoint with kv_cache=fp8")
@@ -214,7 +220,7 @@ def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, w
     missing = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and n not in have)
     if missing:
         raise QuantlabError(f"exported checkpoint {t.ckpt} is missing tensor "
-                            f"{to_disk.get(missing[0], missing[0])}.k_proj.k_scale (KV scales of {len(missing)} "
+                            f"{to_disk.get(missing[0], missing[0])}.{k_name} (KV scales of {len(missing)} "
                             "attention module(s) absent though kv_cache_quant_algo=FP8)",
                             fix="re-export the checkpoint with kv_cache=fp8")
     for disk in attentions:
@@ -224,11 +230,17 @@ def apply_kv_cache(model: nn.Module, t: CheckpointTensors, quant: QuantConfig, w
         except AttributeError:
             raise QuantlabError(f"checkpoint {t.ckpt} has KV scales for {disk}, which this model does not have",
                                 fix="the checkpoint and its config.json do not match; re-export it") from None
-        module.quantlab_k_scale = checked_scale(f"{disk}.k_proj.k_scale", t, ()).float().to(where(memory))
-        module.quantlab_v_scale = checked_scale(f"{disk}.v_proj.v_scale", t, ()).float().to(where(memory))
+        module.quantlab_k_scale = _kv_scale(f"{disk}.{k_name}", t).to(where(memory))
+        module.quantlab_v_scale = _kv_scale(f"{disk}.{v_name}", t).to(where(memory))
         module.quantlab_base_attention = _base_attention(module, base)
     model.set_attn_implementation(name)
     return f"fp8 (k_scale / v_scale on {len(attentions)} attention modules, applied after RoPE, over {base} attention)"
+
+
+def _kv_scale(name: str, t: CheckpointTensors) -> torch.Tensor:
+    """A per-tensor KV scale stored as a scalar (ModelOpt) or a 1-element tensor (compressed-tensors)."""
+    shape = t.shape_of(name)
+    return checked_scale(name, t, shape if shape in ((), (1,)) else ()).float().reshape(())
 
 
 def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None:
@@ -245,29 +257,32 @@ def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None
 
 def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None) -> tuple[nn.Module, dict]:
     """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer."""
+    from quantlab.formats import open_checkpoint
+
     ckpt = Path(ckpt)
-    quant = read_quant_config(ckpt, required=True)
+    opened = open_checkpoint(ckpt)  # ModelOpt's unified format or another tool's (quantlab.formats)
+    quant, tensors = opened.quant, opened.tensors
     check_formats(quant, ckpt)
-    tensors = CheckpointTensors(ckpt)
-    model, config, to_disk = skeleton(ckpt, dtype)
+    model, config, to_disk = skeleton(opened.directory, dtype, opened.transformers_config())
     to_memory = {d.rpartition(".")[0]: m.rpartition(".")[0] for m, d in to_disk.items()}
     where, dmap = placement(model, device, dtype, device_map)
     replaced = swap_quantized_linears(model, tensors, quant, device, dtype, where, to_disk)
     experts = swap_experts(model, tensors, quant, device, dtype, where, to_disk)
     if not replaced and not experts:
-        raise QuantlabError(f"checkpoint {ckpt} says {quant.quant_algo} but no layer has a weight_scale tensor",
+        raise QuantlabError(f"checkpoint {ckpt} says {quant.quant_algo} but no layer holds its quantized tensors",
                             fix="re-export the checkpoint")
     load_plain_weights(model, tensors, dtype, where, to_disk)
     rebuild_buffers(model, where)
     check_materialized(model, ckpt)
-    kv = apply_kv_cache(model, tensors, quant, where, to_memory)
+    kv = apply_kv_cache(model, tensors, quant, where, to_memory, opened.kv_names)
     # q/k/v and gate/up read one activation: quantize it once, one GEMM each group (where the GEMMs are native)
     native = device.type == "cuda" and device.has_fp8
     shared = fuse_shared_inputs(model, dtype) if native else 0  # fuses FP8 siblings only
     shared += fuse_int4_siblings(model) if device.type == "cuda" else 0  # packed W4A16 (GPU layers only)
     placed = dispatch(model, dmap, device_map)
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
-    plan = {"quant_algo": quant.quant_algo, "kv_cache": kv, "quantized_layers": len(replaced),
+    plan = {"quant_algo": quant.quant_algo, "format": opened.format, "scheme": opened.scheme, "kv_cache": kv,
+            "quantized_layers": len(replaced),
             "quantized_expert_projections": experts, "kernels": kernels,
             "formats": {a: sum(1 for v in replaced.values() if v == a) for a in sorted(set(replaced.values()))},
             "shared_input_groups": shared, "devices": placed or [device.torch],

@@ -50,18 +50,35 @@ def write(model, ref_path: Path, out: Path, expect_algo: str, expect_kv: str | N
 
 
 def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
-    """A checkpoint exported elsewhere (engine.checkpoint=...), checked against the requested recipe."""
+    """A checkpoint made elsewhere (engine.checkpoint=...), checked against the requested recipe. expect_algo
+    EXTERNAL (precision=external) takes any format quantlab reads (quantlab.formats) and its KV cache from the files
+    (expect_kv None) or requires the one asked for; any other precision must match a ModelOpt export's quant_algo."""
+    from quantlab.formats import open_checkpoint
+    from quantlab.formats.describe import describe
+
     ckpt = Path(path).expanduser()
-    if not ckpt.is_dir():
-        raise QuantlabError(f"engine.checkpoint {ckpt} is not a directory",
-                            fix="point engine.checkpoint at the directory export_hf_checkpoint() wrote")
-    quant = read_quant_config(ckpt, required=True)
-    if quant.quant_algo != expect_algo or quant.kv_cache_quant_algo != expect_kv:
+    if not ckpt.is_dir() and ckpt.suffix != ".gguf":
+        raise QuantlabError(f"engine.checkpoint {ckpt} is not a directory" if ckpt.exists() else
+                            f"engine.checkpoint {ckpt} does not exist",
+                            fix="point engine.checkpoint at a checkpoint directory (or a .gguf file)")
+    opened = open_checkpoint(ckpt)
+    quant = opened.quant
+    if expect_algo == "EXTERNAL":
+        if expect_kv is not None and quant.kv_cache_quant_algo != expect_kv:
+            raise QuantlabError(f"engine.checkpoint {ckpt} has KV cache {quant.kv_cache_quant_algo or 'none'}, the "
+                                f"run asks for {expect_kv}",
+                                fix="leave kv_cache at none with precision=external (the files say the KV cache)")
+    elif opened.format != "modelopt":
+        raise QuantlabError(f"engine.checkpoint {ckpt} is a {opened.format} checkpoint ({opened.scheme}), not a "
+                            f"ModelOpt {expect_algo} export", fix="use precision=external (or leave precision out)")
+    elif quant.quant_algo != expect_algo or quant.kv_cache_quant_algo != expect_kv:
         raise QuantlabError(f"engine.checkpoint {ckpt} is {quant.quant_algo} / kv {quant.kv_cache_quant_algo}, "
                             f"the run asks for {expect_algo} / kv {expect_kv}",
                             fix="choose the matching +precision= and kv_cache=")
-    files = fingerprint_files(ckpt, [p for p in ckpt.iterdir() if p.is_file()])
-    info = {**info_of(quant, ckpt), "external": True}
+    root = opened.directory
+    members = [ckpt] if ckpt.is_file() else [p for p in ckpt.iterdir() if p.is_file()]
+    files = fingerprint_files(root, members)
+    info = {**info_of(quant, root), "safetensors_bytes": opened.size_bytes(), **describe(opened), "external": True}
     return Artifact("export", "external", ckpt, {"fingerprint": fingerprint_of(files), "files": files, "info": info})
 
 
@@ -118,13 +135,21 @@ def check_pairing(ckpt: Path, ref) -> None:
 
 def external_step(ctx: RunContext) -> Step:
     """engine.checkpoint=...: the checkpoint made elsewhere as a source in the export's place. Loading it checks
-    it against the requested recipe and the reference model: not a directory, no hf_quant_config.json, another
-    quant_algo / kv_cache or another model is exit 2."""
+    it against the requested recipe and the reference model: not a directory (or GGUF file), a layout no format of
+    quantlab.formats reads, another quant_algo / kv_cache or another model is exit 2."""
     path = ctx.external_checkpoint
 
     def load(_art, r, _built) -> Artifact:
+        from quantlab.formats import detect
+
         found = external(path, ctx.precision.quant_algo, ctx.kv_algo)
-        check_pairing(found.path, r.value("prepare"))
+        entry = detect(found.path)
+        if entry.pairing is None:
+            check_pairing(found.path, r.value("prepare"))
+        else:  # a format without the reference's tensors as they are (GGUF: its own names and types)
+            from quantlab.formats import open_checkpoint
+
+            entry.pairing(open_checkpoint(found.path), r.value("prepare"))
         log.info("export: evaluating the checkpoint made elsewhere, %s", found.path)
         return found
 
