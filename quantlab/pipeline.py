@@ -221,8 +221,8 @@ class _Run:
             return speed_check.not_measured("eval.speed=false")
         if ctx.device.type != "cuda":
             return speed_check.not_measured(
-                "speed is measured on GPUs only: on a CPU FP8 is emulated and INT4 is dequantized at load, so timings here "
-                "say nothing about serving speed")
+                "speed is measured on GPUs only: on a CPU FP8 is emulated and INT4 is dequantized at load, so "
+                "timings here say nothing about serving speed")
         if ctx.engine.name not in ("torch", "reference"):
             return speed_check.not_measured(f"engine={ctx.engine.name} has no cached decode path in quantlab")
         engines = []

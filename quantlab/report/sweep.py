@@ -86,7 +86,37 @@ def _what_ran(run_dir: Path, record: dict, doc: dict) -> dict:
     for key in WHAT:
         value = next((r[key] for r in recorded if isinstance(r, dict) and r.get(key)), None)
         out[key] = str(value) if value is not None else ("?" if key != "model" else None)
+    export = (record.get("artifacts") or {}).get("export")
+    if isinstance(export, dict) and export.get("external") and export.get("path"):
+        # a checkpoint made elsewhere (engine.checkpoint=): named by its directory and format, not "external"
+        out["precision"] = f"{Path(str(export['path'])).name} ({export.get('format') or 'checkpoint'})"
     return out
+
+
+def _checkpoint(record: dict) -> dict:
+    """Bits per weight and the tool that made the checkpoint, where its record says (other tools' checkpoints)."""
+    export = (record.get("artifacts") or {}).get("export")
+    export = export if isinstance(export, dict) else {}
+    bits = export.get("bits_per_weight")
+    return {"bits_per_weight": bits if isinstance(bits, (int, float)) and not isinstance(bits, bool) else None,
+            "tool": export.get("tool") if isinstance(export.get("tool"), str) else None}
+
+
+def _gate_interval(doc: dict, metric: str):
+    """The interval a metric's gate check decided with (documents as clusters), else None."""
+    checks = (doc.get("gate") or {}).get("checks") if isinstance(doc.get("gate"), dict) else None
+    for c in checks or []:
+        if isinstance(c, dict) and str(c.get("name", "")).split(" ")[0] == metric and isinstance(c.get("ci"), list):
+            return c["ci"]
+    return None
+
+
+def _flips(doc: dict) -> dict | None:
+    """Top-1 flips against the reference (right -> wrong, wrong -> right) from the behaviour panel."""
+    flips = (doc.get("behaviour") or {}).get("flips") if isinstance(doc.get("behaviour"), dict) else None
+    if not isinstance(flips, dict):
+        return None
+    return {"worse": flips.get("ref_right_cand_wrong"), "better": flips.get("ref_wrong_cand_right")}
 
 
 def _first_line(text) -> str:
@@ -160,7 +190,8 @@ def _row(run_dir: Path) -> dict:
     row["verdict"], row["reason"], row["failed"] = _verdict(run_dir, record, status, doc)
     row["exit_code"] = record.get("exit_code", status.get("exit_code"))
     row.update(top1_agreement=_metric(doc, "top1_agreement"), ppl_ratio=_metric(doc, "ppl_ratio"),
-               ppl_ratio_ci=_metric(doc, "ppl_ratio", "ci95"), kl_mean=_metric(doc, "kl_mean"), pareto=False,
+               ppl_ratio_ci=_gate_interval(doc, "ppl_ratio") or _metric(doc, "ppl_ratio", "ci95"),
+               kl_mean=_metric(doc, "kl_mean"), flips=_flips(doc), **_checkpoint(record), pareto=False,
                notes=notes, stopped=row["verdict"] in (*STOPPED.values(), "AUDIT FAIL", "INCOMPLETE"))
     return row
 
