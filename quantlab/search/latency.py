@@ -46,29 +46,13 @@ def _tokens(vocab: int, batch: int, tokens: int, device):
 
 def time_forward(model, batch: int, tokens: int, repeats: int, warmup: int = 2) -> dict:
     """Median and interquartile range (ms) of `repeats` forward passes of batch x tokens ids."""
-    import torch
-
     embed = model.get_input_embeddings()
     first = embed.weight.device
     ids = _tokens(embed.num_embeddings, batch, tokens, first)
-    kwargs = {"use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1
-    cuda = first.type == "cuda"
-    times = []
-    with torch.no_grad():  # as the engine runs
-        for i in range(warmup + repeats):
-            if cuda:
-                torch.cuda.synchronize(first)
-            start = time.perf_counter()
-            model(ids, **kwargs)
-            if cuda:
-                torch.cuda.synchronize(first)
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1000.0)
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-    return {"ms": statistics.median(times), "iqr_ms": [q[0], q[2]], "repeats": repeats, "batch": batch,
-            "tokens": tokens}
+    kwargs, cuda = _forward_kwargs(model), first.type == "cuda"
+    for _ in range(warmup):
+        _time_once(model, ids, kwargs, cuda, first)
+    return _summary([_time_once(model, ids, kwargs, cuda, first) for _ in range(repeats)], batch, tokens)
 
 
 def _time_once(model, ids, kwargs, cuda: bool, device) -> float:
