@@ -79,7 +79,9 @@ def test_a_run_stopped_by_its_audit_is_a_row_and_the_rest_names_the_ship_candida
     md = (sweep / "summary.md").read_text()
     for cells in _table(md):
         assert cells[1:4] == ["fp8", "none", "torch"], cells  # never "?"
-    assert f"**Ship candidate: fp8, KV cache none, engine torch** (run {passed['name'].replace('_', chr(92) + '_')})" \
+    from quantlab.report.render import md_escape
+
+    assert f"**Ship candidate: fp8, KV cache none, engine torch** (run {md_escape(passed['name'])})" \
         in md.replace("\\-", "-")
     assert "1 run stopped before a verdict" in md and "AUDIT FAIL" in md
     assert "ship candidate fp8, KV cache none, engine torch" in res.stdout

@@ -54,13 +54,20 @@ def _main(args) -> int:
         _reference(args.reference)
     try:
         from transformers.utils import logging as hf_logging
-
+    except ImportError:
+        hf_logging = None
+    if hf_logging is not None:  # quiet while the audit runs; the caller's settings come back after (in-process use)
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    report = audit(args.checkpoint, args.reference, canary=not args.no_canary, canary_windows=args.canary_windows,
-                   canary_tokens=args.canary_tokens, device=args.device)
+    try:
+        report = audit(args.checkpoint, args.reference, canary=not args.no_canary,
+                       canary_windows=args.canary_windows, canary_tokens=args.canary_tokens, device=args.device)
+    finally:
+        if hf_logging is not None:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
     if args.json:
         out = Path(args.json).expanduser()
         try:

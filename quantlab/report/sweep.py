@@ -87,7 +87,7 @@ def _what_ran(run_dir: Path, record: dict, doc: dict) -> dict:
         value = next((r[key] for r in recorded if isinstance(r, dict) and r.get(key)), None)
         out[key] = str(value) if value is not None else ("?" if key != "model" else None)
     export = (record.get("artifacts") or {}).get("export")
-    if isinstance(export, dict) and export.get("external") and export.get("path"):
+    if out["precision"] == "external" and isinstance(export, dict) and export.get("path"):
         # a checkpoint made elsewhere (engine.checkpoint=): named by its directory and format, not "external"
         out["precision"] = f"{Path(str(export['path'])).name} ({export.get('format') or 'checkpoint'})"
     return out
