@@ -24,24 +24,12 @@ import math
 import torch
 
 from quantlab.engines.kernels.int4 import _sm_count, available, interpreted
+from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
 BLOCK_L = 32  # cache positions per loop step
 TARGET_PROGRAMS = 2  # per SM: the positions are split until the grid holds this many programs per SM
-_SCRATCH: dict = {}
-
-
-def _scratch(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The combine workspace and counters of a device (kept alive once handed out: a captured graph may use them;
-    counters are zero between launches)."""
-    held = _SCRATCH.setdefault(str(device), {"ws": None, "cnt": None, "kept": []})
-    if held["ws"] is None or held["ws"].numel() < floats:
-        held["ws"] = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
-        held["kept"].append(held["ws"])
-    if held["cnt"] is None or held["cnt"].numel() < counters:
-        held["cnt"] = torch.zeros(max(counters, 1 << 14), dtype=torch.int32, device=device)
-        held["kept"].append(held["cnt"])
-    return held["ws"], held["cnt"]
+_SCRATCH = Scratch(1 << 20, 1 << 14)  # the split combine's workspace and counters
 
 
 def _pow2(n: int, minimum: int) -> int:
@@ -77,7 +65,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
     block_g, block_d = _pow2(group, 16), _pow2(d, 16)
     per, nsplit = plan(b, hkv, length, str(q.device))
     out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
-    ws, cnt = _scratch(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
+    ws, cnt = _SCRATCH.get(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
     k_scale, v_scale = scales if scales is not None else (ws, ws)
     _attention_triton.decode_attention[(b * hkv, nsplit)](
         q, k_cache, v_cache, out, pos, k_scale, v_scale, ws, cnt,

@@ -34,6 +34,7 @@ import os
 import torch
 
 from quantlab.engines.int4_codes import unpack_int4
+from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
 GEMV_MAX_ROWS = 1  # export layout: rows handled by the GEMV kernel; more rows use the tensor-core GEMM
@@ -175,29 +176,12 @@ def k8_dequantized(qweight: torch.Tensor, scales_t: torch.Tensor, group: int) ->
     return (k8_codes(qweight).float() * scales_t.t().float().repeat_interleave(group, dim=1)).to(scales_t.dtype)
 
 
-_SCRATCH: dict = {}  # device -> {"ws": fp32 workspace, "cnt": int32 counters, "kept": every buffer ever handed out}
-
-
-def _scratch(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K workspace and tile counters of a device, grown as needed. Counters are zero between launches
-    (the last program of a tile re-arms its own). Replaced buffers are kept alive: a captured CUDA graph may still
-    point at them."""
-    key = str(device)
-    held = _SCRATCH.setdefault(key, {"ws": None, "cnt": None, "kept": []})
-    if held["ws"] is None or held["ws"].numel() < floats:
-        held["ws"] = torch.empty(max(floats, 1 << 22), dtype=torch.float32, device=device)
-        held["kept"].append(held["ws"])
-    if held["cnt"] is None or held["cnt"].numel() < tiles:
-        held["cnt"] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        held["kept"].append(held["cnt"])
-    return held["ws"], held["cnt"]
+_SCRATCH = Scratch(1 << 22, 1 << 16)  # the split-K workspace and tile counters
 
 
 def reset_counters() -> None:
     """Zero every device's tile counters (after a launch that may have stopped half way, e.g. in a sweep)."""
-    for held in _SCRATCH.values():
-        if held["cnt"] is not None:
-            held["cnt"].zero_()
+    _SCRATCH.reset_counters()
 
 
 def m_bucket(m: int) -> int:
@@ -282,7 +266,7 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     dot, split = cfg["dot"], cfg["split_k"]
     block_m = cfg["block_m"] if dot else 1
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, block_m))
-    ws, cnt = _scratch(x.device, split * m * n if split > 1 else 0, grid[0] * grid[2])
+    ws, cnt = _SCRATCH.get(x.device, split * m * n if split > 1 else 0, grid[0] * grid[2])
     kernels.w4a16_k8[grid](x, qweight, scales_t, pqs if pqs is not None else scales_t, y, ws, cnt, m, n, x.stride(0),
                            y.stride(0), scales_t.stride(0), k, GROUP=group, BLOCK_N=cfg["block_n"], BLOCK_M=block_m,
                            SPLIT_K=split, BPI=cfg["bpi"], DOT=dot, HAS_PQS=pqs is not None,
