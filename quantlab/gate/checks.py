@@ -63,6 +63,17 @@ class Check:
 
 
 # ----------------------------------------------------------------------------------------- validation
+def decided_intervals(checks) -> dict[str, list]:
+    """metric -> the interval its threshold check over the whole run (not a bucket, not a baseline) decided with,
+    read from metrics.json's gate checks; entries that are not well formed (a hand-edited file) are skipped."""
+    out = {}
+    for c in checks if isinstance(checks, list) else []:
+        if (isinstance(c, dict) and c.get("kind", "threshold") == "threshold" and c.get("bucket") is None
+                and isinstance(c.get("metric"), str) and isinstance(c.get("ci"), list) and c["ci"]):
+            out.setdefault(c["metric"], c["ci"])
+    return out
+
+
 def _check_threshold(where: str, name: str, th: Threshold, seq_len: int | None) -> None:
     """A threshold must be able to fail a worse candidate: finite, inside the metric's range, min <= max, and on
     the side the metric's direction says (a min on a lower-is-better metric passes everything worse)."""

@@ -16,6 +16,7 @@ from hydra.experimental.callback import Callback
 
 from quantlab.artifacts import write_json_atomic, write_text_atomic
 from quantlab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK
+from quantlab.gate.checks import decided_intervals
 from quantlab.report.plots import pareto, pareto_front
 from quantlab.report.render import environment
 from quantlab.rundir import RUN_JSON, STATUS, read_record
@@ -102,15 +103,6 @@ def _checkpoint(record: dict) -> dict:
             "tool": export.get("tool") if isinstance(export.get("tool"), str) else None}
 
 
-def _gate_interval(doc: dict, metric: str):
-    """The interval a metric's gate check decided with (documents as clusters), else None."""
-    checks = (doc.get("gate") or {}).get("checks") if isinstance(doc.get("gate"), dict) else None
-    for c in checks or []:
-        if isinstance(c, dict) and str(c.get("name", "")).split(" ")[0] == metric and isinstance(c.get("ci"), list):
-            return c["ci"]
-    return None
-
-
 def _flips(doc: dict) -> dict | None:
     """Top-1 flips against the reference (right -> wrong, wrong -> right) from the behaviour panel."""
     flips = (doc.get("behaviour") or {}).get("flips") if isinstance(doc.get("behaviour"), dict) else None
@@ -189,8 +181,10 @@ def _row(run_dir: Path) -> dict:
     row["wall_time_s"] = record.get("wall_time_s")
     row["verdict"], row["reason"], row["failed"] = _verdict(run_dir, record, status, doc)
     row["exit_code"] = record.get("exit_code", status.get("exit_code"))
+    gate = doc["gate"] if isinstance(doc.get("gate"), dict) else {}
     row.update(top1_agreement=_metric(doc, "top1_agreement"), ppl_ratio=_metric(doc, "ppl_ratio"),
-               ppl_ratio_ci=_gate_interval(doc, "ppl_ratio") or _metric(doc, "ppl_ratio", "ci95"),
+               ppl_ratio_ci=(decided_intervals(gate.get("checks")).get("ppl_ratio")
+                             or _metric(doc, "ppl_ratio", "ci95")),
                kl_mean=_metric(doc, "kl_mean"), flips=_flips(doc), **_checkpoint(record), pareto=False,
                notes=notes, stopped=row["verdict"] in (*STOPPED.values(), "AUDIT FAIL", "INCOMPLETE"))
     return row

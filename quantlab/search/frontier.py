@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from quantlab.gate.checks import decided_intervals
 from quantlab.gate.metrics import METRICS
 from quantlab.precisions import PRECISIONS
 
@@ -256,7 +257,7 @@ class Evaluation:
         res = self.result
         m = res.doc["metrics"] if res.doc is not None else {}
         checks = res.doc["gate"]["checks"] if res.doc is not None else []
-        decided = {c["name"].split()[0]: c["ci"] for c in checks if c.get("ci")}
+        decided = decided_intervals(checks)
         counts: dict[str, int] = {}
         for name in self.candidate.assignment.values():
             counts[name] = counts.get(name, 0) + 1
