@@ -91,7 +91,7 @@ class LatencyModel:
 
     none_ms: float
     per_weight: dict[str, float]  # choice name -> ms per weight relative to none (0 for none)
-    measured: dict[str, dict]  # "none" and each uniform format -> time_forward's result
+    measured: dict[str, dict]  # "none" and each uniform format -> its timing (latency_profile: paired rounds)
     not_faster: list[str]  # formats not min_speedup faster than none when applied everywhere (cost clamped >= 0)
 
     def predict(self, groups: list[Group], assignment: dict[str, str]) -> float:

@@ -152,22 +152,6 @@ def measure_export(path: Path, device, dtype, batch: int, tokens: int, repeats: 
     return out
 
 
-def measure_reference(ref, device, dtype, batch: int, tokens: int, repeats: int,
-                      device_map: str | None = None) -> dict:
-    """The unquantized model's latency, same dtype and device."""
-    import gc
-
-    from quantlab.models import load_model
-
-    model = load_model(ref, device, dtype, device_map)
-    try:
-        return time_forward(model, batch, tokens, repeats)
-    finally:
-        del model
-        gc.collect()
-        _empty_cache(device)
-
-
 def _empty_cache(device) -> None:
     import torch
 
@@ -192,12 +176,12 @@ def per_weight_costs(none_ms: float, uniform_ms: dict[str, float], searched_weig
     return costs, slow
 
 
-def measure_latency(cfg: Config, ctx, path: Path | None, ref=None) -> dict:
-    """search.cost=latency: an export's latency in engine=torch, or (path None) the unquantized model's (ref)."""
+def measure_latency(cfg: Config, ctx, path: Path) -> dict:
+    """search.cost=latency: an evaluated export's latency in engine=torch (the uniform formats are timed paired
+    with the unquantized model by latency_profile)."""
     s = cfg.search
-    args = (ctx.device, ctx.dtype, s.latency_batch, s.latency_tokens or cfg.eval.seq_len, s.latency_repeats,
-            cfg.model.device_map)
-    return measure_reference(ref, *args) if path is None else measure_export(path, *args)
+    return measure_export(path, ctx.device, ctx.dtype, s.latency_batch, s.latency_tokens or cfg.eval.seq_len,
+                          s.latency_repeats, cfg.model.device_map)
 
 
 def latency_profile(sens: Sensitivity, choices: dict[str, Choice], ref, kv: str,
