@@ -133,8 +133,14 @@ def check_argv(args: list[str]) -> list[str]:
     if "precision" not in chosen:
         raise QuantlabError("no precision chosen", fix=f"add +precision=fp8 (or one of {', '.join(PRECISION_SCHEMAS)})")
     choices = _Choices(chosen)
+    optional = {f.name for f in dataclasses.fields(Config) if f.default is None and f.name in GROUPS}
     for ov in keyed:
         key = ov.key_or_group
+        top = key.split(".")[0]
+        if top in optional and top not in chosen:  # a key of an optional group nobody chose: Hydra has no node
+            options = group_options(top)
+            raise QuantlabError(f"{key} sets an option of +{top}, which this command does not choose",
+                                fix=f"add +{top}={options[0]} (choices: {', '.join(options)}), or drop {key}")
         _check_key(key.split("."), key, choices)
     return args
 

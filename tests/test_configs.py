@@ -81,6 +81,7 @@ def test_default_gate_passes_its_own_validation():
     (["+precision=fp8", "gate.thresholds.top1_agrement.min=0.5"], "did you mean 'top1_agreement'"),
     (["+precision=fp8", "gate.per_precision.fp9.ppl_ratio.max=1.2"], "did you mean 'fp8'"),
     ([], "no precision chosen"),
+    (["+precision=fp8", "search.latency_repeats=5"], "search.latency_repeats sets an option of .search"),
 ])
 def test_argv_checks(argv, message):
     with pytest.raises(QuantlabError, match=message.replace("(", r"\(").replace(")", r"\)")):
