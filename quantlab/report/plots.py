@@ -114,6 +114,54 @@ def pareto(rows: list[dict]) -> str | None:
     return _uri(fig)
 
 
+def _speed_point(ax, row: dict, on_front: bool) -> str:
+    """One run on the quality vs speed plot: its speedup interval as a bar, filled green when it passed its gates,
+    hollow red otherwise, ringed when on the front; returns its legend entry."""
+    x, (lo, hi), y = row["speed_b1"]["value"], row["speed_b1"]["ci"], row["ppl_ratio"]
+    passed = row["verdict"] == "PASS"
+    color = "tab:green" if passed else "tab:red"
+    ax.errorbar([x], [y], xerr=[[max(x - lo, 0.0)], [max(hi - x, 0.0)]], fmt="o", ms=7, mec=color,
+                mfc=color if passed else "none", ecolor=color, capsize=3, zorder=3)
+    if on_front:
+        ax.scatter([x], [y], s=200, facecolors="none", edgecolors="black", zorder=4)
+    ax.annotate(row["label"], (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8, parse_math=False)
+    return "passed its gates" if passed else "did not pass"
+
+
+def speed_figure(rows: list[dict]):
+    """Quality (ppl ratio, lower is better) vs decode speedup over the unquantized model at batch 1 (with its
+    interval), runs that passed their gates filled, the Pareto front over (faster, closer to the reference) ringed and
+    dashed; the matplotlib figure, None when no row measured its speed at batch 1."""
+    pts = [r for r in rows if r.get("speed_b1") and r.get("ppl_ratio")]
+    if not pts:
+        return None
+    plt = _plt()
+    from matplotlib.lines import Line2D
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    front = pareto_front([(-r["speed_b1"]["value"], r["ppl_ratio"]) for r in pts])
+    kinds = {_speed_point(ax, r, i in front) for i, r in enumerate(pts)}
+    fx = sorted((pts[i]["speed_b1"]["value"], pts[i]["ppl_ratio"]) for i in front)
+    ax.plot([p[0] for p in fx], [p[1] for p in fx], "--", color="black", alpha=0.6)
+    ax.axvline(1.0, color="tab:gray", ls=":")
+    runs = {"passed its gates": Line2D([], [], marker="o", ls="", color="tab:green", label="passed its gates"),
+            "did not pass": Line2D([], [], marker="o", ls="", mfc="none", color="tab:red", label="did not pass")}
+    ax.legend(handles=[runs[k] for k in runs if k in kinds] + [
+        Line2D([], [], marker="o", ls="--", mfc="none", ms=12, color="black",
+               label="Pareto front: no other run is both faster and closer"),
+        Line2D([], [], ls=":", color="tab:gray", label="unquantized speed (1x)")], fontsize=8)
+    ax.set_xlabel("decode speedup over the unquantized model at batch 1 (paired rounds, interval)")
+    ax.set_ylabel("perplexity ratio vs reference (lower is better)")
+    ax.set_title("Quality vs decode speed (batch 1)")
+    return fig
+
+
+def speed_pareto(rows: list[dict]) -> str | None:
+    """speed_figure as a data URI; None when no row measured its speed at batch 1."""
+    fig = speed_figure(rows)
+    return _uri(fig) if fig is not None else None
+
+
 def pareto_front(points: list[tuple[float, float]]) -> set[int]:
     """Indices of points not dominated (smaller size and lower ratio both better)."""
     front = set()
