@@ -1,5 +1,6 @@
 """Sweep summary: one row per run (stopped runs included, with their reason), the ship candidate, and quality vs
-size with the Pareto front.
+size with the Pareto front; where a run measured speed (on a GPU: metrics.json's speed section), its decode speedup
+over the unquantized model, the fastest passing run and quality vs decode speed.
 
 Written by a Hydra callback when a multirun ends, and rebuildable from any run directories (made on any machine)
 with `python -m quantlab.summary DIR [DIR ...]`. Each row says what ran from what the run recorded: run.json's "run"
@@ -17,7 +18,7 @@ from hydra.experimental.callback import Callback
 from quantlab.artifacts import write_json_atomic, write_text_atomic
 from quantlab.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK
 from quantlab.gate.checks import decided_intervals
-from quantlab.report.plots import pareto, pareto_front
+from quantlab.report.plots import pareto, pareto_front, speed_pareto
 from quantlab.report.render import environment
 from quantlab.rundir import RUN_JSON, STATUS, read_record
 
@@ -166,6 +167,48 @@ def _metric(doc: dict, name: str, field: str = "value"):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _decode_speedup(entry) -> dict | None:
+    """One batch size's decode speedup over the unquantized model, {batch, value, ci}; None when any of them is
+    missing or not a number (a hand-edited file)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("decode_speedup"), dict):
+        return None
+    batch, value, ci = entry.get("batch"), entry["decode_speedup"].get("value"), entry["decode_speedup"].get("ci")
+    if not (isinstance(batch, int) and _number(batch) and _number(value) and isinstance(ci, list) and len(ci) == 2
+            and all(_number(v) for v in ci)):
+        return None
+    return {"batch": batch, "value": value, "ci": [ci[0], ci[1]]}
+
+
+def _speed(doc: dict) -> tuple[dict, str | None]:
+    """The row's speed from metrics.json's speed section (quantlab.engines.speed), and a note when that section
+    cannot be read. speed_b1 / speed_bmax: the decode speedup over the unquantized model ({batch, value, ci}) at
+    batch 1 and at the largest batch measured (None: not measured; speed_bmax also when batch 1 is the largest);
+    speed_device: the GPU; speed_reason: why speed was not measured (None when it was, or when the run recorded no
+    speed section: a run stopped before evaluating, or one older than the section)."""
+    out = {"speed_b1": None, "speed_bmax": None, "speed_device": None, "speed_reason": None}
+    speed = doc.get("speed")
+    if speed is None:
+        return out, None
+    if not isinstance(speed, dict):
+        return out, "metrics.json's speed section is damaged"
+    if speed.get("measured") is not True:
+        out["speed_reason"] = _first_line(speed.get("reason")) or "no reason recorded"
+        return out, None
+    batches = speed.get("batches")
+    entries = [_decode_speedup(b) for b in batches] if isinstance(batches, list) else []
+    if not entries or None in entries:
+        return out, "metrics.json's speed section is damaged"
+    by_batch = {e["batch"]: e for e in entries}
+    out["speed_b1"] = by_batch.get(1)
+    out["speed_bmax"] = by_batch[max(by_batch)] if max(by_batch) != 1 else None
+    out["speed_device"] = str(speed["device"]) if speed.get("device") else None
+    return out, None
+
+
 def _row(run_dir: Path) -> dict:
     notes = []
     files = {}
@@ -187,6 +230,11 @@ def _row(run_dir: Path) -> dict:
                              or _metric(doc, "ppl_ratio", "ci95")),
                kl_mean=_metric(doc, "kl_mean"), flips=_flips(doc), **_checkpoint(record), pareto=False,
                notes=notes, stopped=row["verdict"] in (*STOPPED.values(), "AUDIT FAIL", "INCOMPLETE"))
+    speed, problem = _speed(doc)
+    row.update(speed)
+    if problem:
+        notes.append(problem)
+        log.warning("%s: its speed section is damaged; the row shows no speed", run_dir / "metrics.json")
     return row
 
 
@@ -198,6 +246,44 @@ def recommend(rows: list[dict]) -> dict | None:
         return None
     front = pareto_front([(r["size_bytes"], r["ppl_ratio"]) for r in passing])
     return min((passing[i] for i in front), key=lambda r: (r["size_bytes"], r["ppl_ratio"]))
+
+
+SPEED_SAYS = {"faster": "faster than the unquantized model (its whole interval is above 1)",
+              "slower": "slower than the unquantized model (its whole interval is below 1)",
+              "no measurable difference": "no measurable difference from the unquantized model (its interval "
+                                          "includes 1)"}
+
+
+def speed_verdict(ci: list[float]) -> str:
+    """What a speedup's interval says: "faster" only when its lower end is above 1, "slower" when its upper end is
+    below 1, else "no measurable difference"."""
+    lo, hi = ci
+    if lo > 1.0:
+        return "faster"
+    if hi < 1.0:
+        return "slower"
+    return "no measurable difference"
+
+
+def fastest(rows: list[dict]) -> dict | None:
+    """The passing run with the highest decode speedup over the unquantized model at batch 1 (the median of its
+    paired rounds), with what its interval says ({row, verdict, says}); None when no passing run measured speed at
+    batch 1. Reported beside the ship candidate, never combined with quality or size into one score."""
+    measured = [r for r in rows if r["verdict"] == "PASS" and r.get("speed_b1")]
+    if not measured:
+        return None
+    row = max(measured, key=lambda r: r["speed_b1"]["value"])
+    verdict = speed_verdict(row["speed_b1"]["ci"])
+    return {"row": row, "verdict": verdict, "says": SPEED_SAYS[verdict]}
+
+
+def speed_not_measured(rows: list[dict]) -> list[tuple[str, int]]:
+    """Each reason runs gave for not measuring speed, with how many runs gave it (shown once in the summary)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r.get("speed_reason"):
+            counts[r["speed_reason"]] = counts.get(r["speed_reason"], 0) + 1
+    return sorted(counts.items())
 
 
 def summary_rows(run_dirs: list[Path]) -> list[dict]:
@@ -218,7 +304,9 @@ def write_summary(out_dir: Path, run_dirs: list[Path], rows: list[dict] | None =
     models = sorted({r["model"] for r in rows if r["model"]})
     ctx = {"rows": rows, "best": recommend(rows), "plot": pareto(rows), "out_dir": str(out_dir),
            "stopped": [r for r in rows if r["stopped"]], "models": models,
-           "damaged": [(r["name"], n) for r in rows for n in r["notes"]]}
+           "damaged": [(r["name"], n) for r in rows for n in r["notes"]],
+           "fastest": fastest(rows), "speed_plot": speed_pareto(rows), "speed_not_measured": speed_not_measured(rows),
+           "speed_devices": sorted({r["speed_device"] for r in rows if r["speed_device"]})}
     env = environment()
     out_dir.mkdir(parents=True, exist_ok=True)
     md, html = out_dir / "summary.md", out_dir / "summary.html"
@@ -229,10 +317,17 @@ def write_summary(out_dir: Path, run_dirs: list[Path], rows: list[dict] | None =
 
 
 def headline(rows: list[dict]) -> str:
-    """The summary's one line for the console: the ship candidate (precision, KV cache, engine) or none."""
+    """The summary's one line for the console: the ship candidate (precision, KV cache, engine) or none, and where
+    speed was measured the fastest passing run at batch 1 and what its interval says."""
     best = recommend(rows)
     stopped = sum(r["stopped"] for r in rows)
     tail = f"; {stopped} stopped before a verdict" if stopped else ""
+    quick = fastest(rows)
+    if quick:
+        r, (lo, hi) = quick["row"], quick["row"]["speed_b1"]["ci"]
+        tail += (f"; fastest passing at batch 1: {r['precision']}, KV cache {r['kv_cache']}, engine {r['engine']} "
+                 f"({r['name']}: decode x{r['speed_b1']['value']:.3f} [{lo:.3f}, {hi:.3f}] the unquantized model, "
+                 f"{quick['verdict']})")
     if best is None:
         return f"no run passed its gates{tail}"
     return (f"ship candidate {best['precision']}, KV cache {best['kv_cache']}, engine {best['engine']} "
