@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from _warm import WarmStarter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -198,13 +200,76 @@ def run_api(overrides: list[str], run_dir: Path) -> int:
     return api.run(overrides, run_dir).exit_code
 
 
-def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int = 600, env_extra: dict | None = None):
+_WARM = WarmStarter()
+_WARM_OUTPUT = Path(tempfile.gettempdir()) / "quantlab-warm-output"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _WARM.close()
+
+
+# the modules that take longest on the 2-core CI machine, longest first: xdist hands modules (--dist loadscope) to
+# the worker that frees up first, in collection order, so starting with the long ones leaves no long tail on one
+# worker at the end (the order of tests inside a module is unchanged)
+LONGEST_FIRST = ("test_scaleout", "test_misuse", "test_search", "test_decode", "test_audit", "test_reliability",
+                 "test_torch_engine", "test_families", "test_cli", "test_report", "test_evaluate", "test_summary")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (rank.get(Path(str(it.fspath)).stem, len(rank)), position[id(it)]))
+
+
+def cli_env(cache: Path | None = None, env_extra: dict | None = None) -> dict:
+    """The environment of a quantlab command in the tests: this process's, offline, library warnings off."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     if cache is not None:
         env["QUANTLAB_CACHE"] = str(cache)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "quantlab", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return env
+
+
+def _cold(env: dict, cold: bool) -> bool:
+    return cold or os.environ.get("QUANTLAB_TEST_COLD") == "1" or not _WARM.usable(env)
+
+
+class Started:
+    """A `python -m MODULE` started with start_module, running while the test goes on."""
+
+    def __init__(self, warm=None, popen: subprocess.Popen | None = None):
+        self.warm, self.popen = warm, popen
+
+    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        if self.popen is not None:
+            out, err = self.popen.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(self.popen.args, self.popen.returncode, out, err)
+        return _WARM.wait(self.warm, timeout)
+
+
+def start_module(module: str, args: list[str], cwd: Path, env: dict, cold: bool = False) -> Started:
+    """Start `python -m MODULE ARGS` in its own process (warm unless cold; see run_module) and return at once."""
+    if _cold(env, cold):
+        return Started(popen=subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return Started(warm=_WARM.spawn(module, [str(a) for a in args], Path(cwd), env, _WARM_OUTPUT))
+
+
+def run_module(module: str, args: list, cwd: Path, env: dict, timeout: float = 600,
+               cold: bool = False) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in its own process: forked from this worker's warm parent (tests/_warm.py: the heavy
+    libraries imported once, quantlab imported fresh), or started cold with `cold=True`, with
+    QUANTLAB_TEST_COLD=1, or when the environment differs from the warm parent's."""
+    if _cold(env, cold):
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    return _WARM.run(module, [str(a) for a in args], Path(cwd), env, timeout, _WARM_OUTPUT)
+
+
+def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int = 600, env_extra: dict | None = None,
+            cold: bool = False):
+    """`python -m quantlab ARGS` (see run_module)."""
+    return run_module("quantlab", args, cwd, cli_env(cache, env_extra), timeout, cold)
 
 
 def read_json(path: Path) -> dict:

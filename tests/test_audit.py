@@ -7,17 +7,15 @@ FAULTS is also what bench/audit_bench.py runs on the default model (its detectio
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import FAST, REPO, run_api
+from conftest import FAST, REPO, cli_env, run_api, run_module
 
 HEALTHY = [(p, kv) for p in ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4") for kv in ("none", "fp8")]
 # the smallest calibration issue 25 calls healthy (8 x 256 tokens); FAST's 4 x 64 leaves INT8 activation scales
@@ -899,9 +897,7 @@ def test_report_round_trip_and_rendering(exports, tiny_llama, tmp_path):
 
 # ------------------------------------------------------------------------------------------------- CLI
 def _cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "quantlab.audit", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("quantlab.audit", args, REPO, cli_env(), timeout)
 
 
 def test_cli_exit_codes_healthy_and_damaged(exports, tiny_llama, tmp_path):

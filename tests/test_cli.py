@@ -106,6 +106,8 @@ def test_bad_input_exits_2(args, message, tmp_path, tiny_llama, tiny_qwen2, shar
 
 
 def test_run_then_rerun_reuses_everything(tmp_path, tiny_llama):
+    """The rerun from a cold interpreter, the way a user starts it (most CLI tests fork warm: tests/_warm.py; the
+    SIGKILL and Ctrl-C tests start cold processes that calibrate)."""
     cache = tmp_path / "cache"
     args = ["+precision=fp8", f"model.path={tiny_llama}", *FAST]
     first = run_cli(args, cwd=tmp_path, cache=cache)
@@ -115,7 +117,7 @@ def test_run_then_rerun_reuses_everything(tmp_path, tiny_llama):
     assert len(runs) == 1 and (runs[0] / "metrics.json").is_file() and (runs[0] / "junit.xml").is_file()
     assert first.stdout.strip().splitlines()[-1].endswith(str(runs[0]))
 
-    second = run_cli(args, cwd=tmp_path, cache=cache)
+    second = run_cli(args, cwd=tmp_path, cache=cache, cold=True)
     assert second.returncode == first.returncode
     assert "calibration batch" not in second.stderr + second.stdout
     runs = sorted((tmp_path / "outputs").iterdir())

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import FAST, read_json, run_cli
+from conftest import FAST, cli_env, read_json, run_cli, start_module
 
 from quantlab.errors import QuantlabError
 
@@ -64,15 +64,13 @@ def test_sigkill_then_rerun_completes_and_reuses(marker, finished, tiny_llama, t
 
 def test_two_sweeps_share_one_cache(tiny_llama, tmp_path):
     cache = tmp_path / "cache"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "QUANTLAB_CACHE": str(cache)}
     procs = []
     for i in range(2):
         (tmp_path / f"s{i}").mkdir()
-        procs.append(subprocess.Popen([sys.executable, "-m", "quantlab", "-m", "+precision=fp8,int8_sq",
-                                       f"model.path={tiny_llama}", *FAST], cwd=tmp_path / f"s{i}", env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0] or all(p.returncode in (0, 1) for p in procs), outs
+        procs.append(start_module("quantlab", ["-m", "+precision=fp8,int8_sq", f"model.path={tiny_llama}", *FAST],
+                                  tmp_path / f"s{i}", cli_env(cache)))
+    done = [p.wait(600) for p in procs]
+    assert all(d.returncode in (0, 1) for d in done), [(d.returncode, d.stderr[-2000:]) for d in done]
     built: dict = {}
     metrics: dict = {}
     for i in range(2):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 import pytest
 from conftest import FAST, read_json, run_cli
@@ -20,6 +21,14 @@ def _sweep(tmp_path, name, tiny_llama, cache, launcher_args):
     return res, metrics, built, cwd
 
 
+@pytest.fixture(scope="module")
+def sequential(tiny_llama, tmp_path_factory):
+    """The sweep without a launcher, cold cache: what every launcher's sweep must reproduce (run once)."""
+    tmp = tmp_path_factory.mktemp("sequential")
+    res, metrics, _, _ = _sweep(tmp, "sequential", tiny_llama, tmp / "cache_seq", [])
+    return res, metrics, tmp / "cache_seq"
+
+
 @pytest.mark.parametrize("launcher", [
     pytest.param(["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], id="joblib",
                  marks=pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
@@ -28,8 +37,8 @@ def _sweep(tmp_path, name, tiny_llama, cache, launcher_args):
                  marks=pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
                                           reason="hydra-submitit-launcher not installed")),
 ])
-def test_launcher_sweep_matches_sequential(launcher, tiny_llama, tmp_path):
-    seq_res, seq_metrics, _, _ = _sweep(tmp_path, "sequential", tiny_llama, tmp_path / "cache_seq", [])
+def test_launcher_sweep_matches_sequential(launcher, tiny_llama, sequential, tmp_path):
+    seq_res, seq_metrics, _ = sequential
     res, metrics, built, cwd = _sweep(tmp_path, "parallel", tiny_llama, tmp_path / "cache_par", launcher)
     assert res.returncode == seq_res.returncode, res.stderr[-3000:]
     assert set(metrics) == {"fp8", "int8_sq"}
@@ -40,12 +49,15 @@ def test_launcher_sweep_matches_sequential(launcher, tiny_llama, tmp_path):
     assert "quantlab plan: 2 runs" in res.stdout  # launchers on this machine get the plan too
 
 
-def test_sweep_exit_code_comes_from_every_job(tiny_llama, tmp_path):
-    """A job failing its gate in another process still fails the sweep (exit 1)."""
+def test_sweep_exit_code_comes_from_every_job(tiny_llama, sequential, tmp_path):
+    """A job failing its gate in another process still fails the sweep (exit 1). The jobs start from a copy of the
+    sequential sweep's cache (their checkpoints exist; what is tested is the gate's exit code crossing processes)."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    shutil.copytree(sequential[2], tmp_path / "cache")
     res = run_cli(["-m", PRECISIONS, f"model.path={tiny_llama}", *FAST, "gate.thresholds.top1_agreement.min=0.9999",
                    "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], cwd=tmp_path, cache=tmp_path / "cache")
     assert res.returncode == 1, res.stderr[-2000:]
+    assert "calibration batch" not in res.stdout + res.stderr
 
 
 # ------------------------------------------------------------------------------------------- plan

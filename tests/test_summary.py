@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, read_json, run_api, run_cli
+from conftest import FAST, cli_env, read_json, run_api, run_cli, run_module
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 WHAT = ("precision", "kv_cache", "engine")
@@ -22,8 +20,8 @@ def _show(res) -> str:
     return f"exit {res.returncode}\n--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}"
 
 
-def _python(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+def _python(module, *args, cwd=None):
+    return run_module(module, args, cwd or Path.cwd(), cli_env(), 900)
 
 
 def _table(md: str) -> list[list[str]]:
