@@ -81,12 +81,15 @@ def make_layouts(path: Path) -> dict:
     return out
 
 
+CAP: dict = {}  # --cap: windows evaluated at most, per layout (default: the default eval.max_windows, 64)
+
+
 def layout(name: str, layouts: dict) -> np.ndarray:
     """Document ids of the windows up to the cap, in look order (independent: every window its own)."""
     if name == "independent":
-        return np.arange(64)
+        return np.arange(CAP.get(name, 64))
     lay = layouts[name]
-    return np.asarray(lay["docs_in_order"][: lay["cap"]])
+    return np.asarray(lay["docs_in_order"][: min(CAP.get(name, lay["cap"]), lay["windows"])])
 
 
 # ------------------------------------------------------------------------------------------------ values
@@ -420,6 +423,8 @@ def table_rows(kind: str, layouts: list[str]) -> list[Row]:
     """The rows of the type-I / power table: every layout x ICC x skewness, and rare bad windows."""
     if kind == "rare":
         return []
+    if kind == "bad":  # only the rows with rare bad windows (scattered and whole documents)
+        return [r for r in table_rows("all", layouts) if r.bad_share]
     if kind == "quick":
         return [Row("pydoc", 0.3, 2.5, label="pydoc icc 0.3 skew 2.5"), Row("wikitext2", 0.1, 1.0, label="wiki")]
     rows = []
@@ -438,8 +443,8 @@ def table_rows(kind: str, layouts: list[str]) -> list[Row]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sims", type=int, default=4000)
-    ap.add_argument("--rows", default="all", help="all | quick (two rows) | rare (the rare-bad candidates and the "
-                                                  "predicted default runs) | table (the check rows only)")
+    ap.add_argument("--rows", default="all", help="all | quick (two rows) | bad (the rows with rare bad windows) | "
+                    "rare (the rare-bad candidates and the predicted default runs) | table (the check rows only)")
     ap.add_argument("--verify", type=int, default=0, help="real-gate check of the first N gates of every row")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--beta", type=float, default=0.2)
@@ -447,7 +452,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="pydoc,wikitext2,independent", help="the layouts whose rows to run")
     ap.add_argument("--runs", nargs="*", default=[], help="metrics.json files of real runs (skewness, ICC)")
     ap.add_argument("--out", help="write every row as JSON here")
+    ap.add_argument("--cap", type=int, help="windows evaluated at most on WikiText-2 and independent windows (the "
+                    "default text has 61): the window count a rare share of bad windows needs (issue 24)")
     args = ap.parse_args()
+    if args.cap:
+        CAP.update(wikitext2=args.cap, independent=args.cap)
     rng = np.random.default_rng(args.seed)
     layouts = json.loads(LAYOUTS.read_text()) if LAYOUTS.is_file() else make_layouts(LAYOUTS)
     start = time.time()

@@ -26,6 +26,13 @@ def test_markdown_report_verdict_first_and_short(run_dir):
     assert ("PASS" in first) == doc["gate"]["passed"] and "int8_sq" in first
     assert "| top1_agreement |" in md and "python -m quantlab" in md
     assert len(md) < 8000  # pasteable as a PR comment
+    # what no check could see: a share of the text small enough to be absent from every window used
+    design = doc["gate"]["design"]
+    n = design["windows_used"]
+    assert design["blind_share"] == pytest.approx(1 - 0.05 ** (1 / n))
+    assert (1 - design["blind_share"]) ** n == pytest.approx(design["alpha"])
+    assert f"less than {100 * design['blind_share']:.1f}% of the text's windows" in md
+    assert f"absent from all {n} windows" in md
 
 
 def _inject(run_dir: Path, out: Path) -> Path:
