@@ -272,6 +272,20 @@ def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int 
     return run_module("quantlab", args, cwd, cli_env(cache, env_extra), timeout, cold)
 
 
+def chromium():
+    """Debian's chromium and playwright's sync API for browser tests, or the test skipped with the reason."""
+    import shutil
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright (Python) is not installed")
+    return exe, sync_playwright
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, read_json, run_api
+from conftest import FAST, REPO, chromium, read_json, run_api
 
 ARTIFACTS = REPO / "test-artifacts"
 HOSTILE = "<script>alert(1)</script>"
@@ -67,19 +66,8 @@ def test_html_escapes_every_injected_string(run_dir, tmp_path):
     assert "<script>" not in outside_code and "<img" not in outside_code
 
 
-def _chromium():
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright (Python) is not installed")
-    return exe, sync_playwright
-
-
 def test_html_in_headless_chromium(run_dir, tmp_path):
-    exe, sync_playwright = _chromium()
+    exe, sync_playwright = chromium()
     page_file = _inject(run_dir, tmp_path)
     console, requests, dialogs = [], [], []
     with sync_playwright() as p:
@@ -145,7 +133,7 @@ def test_sweep_summary_three_runs_and_rebuild(tiny_llama, tmp_path, shared_cache
                          text=True)
     assert bad.returncode == 2 and "no run directories" in bad.stderr and "Traceback" not in bad.stderr
     try:
-        exe, sync_playwright = _chromium()
+        exe, sync_playwright = chromium()
     except pytest.skip.Exception:
         return
     with sync_playwright() as p:

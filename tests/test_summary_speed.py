@@ -16,7 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import FAST, read_json, run_api
+from conftest import FAST, chromium, read_json, run_api
 
 DATA = Path(__file__).resolve().parent / "data" / "h200_default_sweep.json"
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -292,19 +292,8 @@ def test_speed_strings_are_escaped_and_a_damaged_section_is_named(tmp_path):
     assert "metrics.json's speed section is damaged" in damaged["notes"]
 
 
-def _chromium():
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright (Python) is not installed")
-    return exe, sync_playwright
-
-
 def test_both_figures_render_in_headless_chromium(tmp_path):
-    exe, sync_playwright = _chromium()
+    exe, sync_playwright = chromium()
     _summary(_write_runs(tmp_path / "sweep", _h200()), tmp_path / "out")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
