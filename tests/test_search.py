@@ -307,9 +307,9 @@ def test_rerun_and_stricter_gate_reuse_every_artifact(searched):
 
 
 def test_search_html_in_headless_chromium(searched):
-    from test_report import _chromium
+    from conftest import chromium
 
-    exe, sync_playwright = _chromium()
+    exe, sync_playwright = chromium()
     errors, requests = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
