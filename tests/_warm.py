@@ -32,7 +32,6 @@ import threading
 import time
 from pathlib import Path
 
-WARM_CMD = [__file__]
 WARM_IMPORTS = ("torch", "transformers", "transformers.models.auto.modeling_auto", "modelopt.torch.quantization",
                 "hydra", "omegaconf", "matplotlib.pyplot", "safetensors.torch", "tokenizers", "jinja2", "scipy.stats")
 
@@ -46,6 +45,7 @@ def _child(request: dict) -> None:
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, request["out"]), (2, request["err"])):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -190,7 +190,7 @@ class WarmStarter:
         self.ended: dict[int, int] = {}
 
     def start(self, env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, *WARM_CMD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, cwd="/")
         self.env, self.replies, self.ended = _sensitive(env), _Lines(self.proc.stdout.fileno()), {}
         if self._reply(600) != {"ready": True}:

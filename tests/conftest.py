@@ -241,10 +241,16 @@ class Started:
         self.warm, self.popen = warm, popen
 
     def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
-        if self.popen is not None:
+        """Its exit code and output; subprocess's TimeoutExpired (the process killed) after TIMEOUT seconds."""
+        if self.popen is None:
+            return _WARM.wait(self.warm, timeout)
+        try:
             out, err = self.popen.communicate(timeout=timeout)
-            return subprocess.CompletedProcess(self.popen.args, self.popen.returncode, out, err)
-        return _WARM.wait(self.warm, timeout)
+        except subprocess.TimeoutExpired:  # as subprocess.run does
+            self.popen.kill()
+            self.popen.communicate()
+            raise
+        return subprocess.CompletedProcess(self.popen.args, self.popen.returncode, out, err)
 
 
 def start_module(module: str, args: list[str], cwd: Path, env: dict, cold: bool = False) -> Started:
@@ -260,10 +266,7 @@ def run_module(module: str, args: list, cwd: Path, env: dict, timeout: float = 6
     """`python -m MODULE ARGS` in its own process: forked from this worker's warm parent (tests/_warm.py: the heavy
     libraries imported once, quantlab imported fresh), or started cold with `cold=True`, with
     QUANTLAB_TEST_COLD=1, or when the environment differs from the warm parent's."""
-    if _cold(env, cold):
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    return _WARM.run(module, [str(a) for a in args], Path(cwd), env, timeout, _WARM_OUTPUT)
+    return start_module(module, args, cwd, env, cold).wait(timeout)
 
 
 def run_cli(args: list[str], cwd: Path, cache: Path | None = None, timeout: int = 600, env_extra: dict | None = None,

@@ -27,6 +27,11 @@ WHAT = ("precision", "kv_cache", "engine", "model")  # what every row names
 STOPPED = {EXIT_BAD_INPUT: "BAD INPUT", EXIT_INTERNAL: "ERROR", EXIT_INTERRUPTED: "INTERRUPTED"}
 
 
+def _number(value) -> bool:
+    """A JSON number (bool is an int to Python, not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
 
@@ -100,7 +105,7 @@ def _checkpoint(record: dict) -> dict:
     export = (record.get("artifacts") or {}).get("export")
     export = export if isinstance(export, dict) else {}
     bits = export.get("bits_per_weight")
-    return {"bits_per_weight": bits if isinstance(bits, (int, float)) and not isinstance(bits, bool) else None,
+    return {"bits_per_weight": bits if _number(bits) else None,
             "tool": export.get("tool") if isinstance(export.get("tool"), str) else None}
 
 
@@ -163,12 +168,8 @@ def _metric(doc: dict, name: str, field: str = "value"):
     entry = metrics.get(name) if isinstance(metrics.get(name), dict) else {}
     value = entry.get(field)
     if isinstance(value, list):
-        return value if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) else None
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return value if all(_number(v) for v in value) else None
+    return value if _number(value) else None
 
 
 def _decode_speedup(entry) -> dict | None:
