@@ -39,6 +39,8 @@ def checkpoints(tiny_llama, shared_cache, tmp_path_factory):
     assert run_api(["+precision=fp8", f"model.path={tiny_llama}", f"cache_dir={shared_cache}", "stop_after=export",
                     *FAST], out / "run") == 0
     good = (out / "run" / "checkpoint").resolve()
+    export = json.loads((out / "run" / "run.json").read_text())["artifacts"]["export"]
+    assert 8.0 <= export["bits_per_weight"] < 8.1 and export["quantized_layers"] > 0  # FP8 codes + per-tensor scales
     bad = out / HOSTILE
     shutil.copytree(good, bad)
     for file in sorted(bad.glob("*.safetensors")):

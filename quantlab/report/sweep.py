@@ -101,7 +101,8 @@ def _what_ran(run_dir: Path, record: dict, doc: dict) -> dict:
 
 
 def _checkpoint(record: dict) -> dict:
-    """Bits per weight and the tool that made the checkpoint, where its record says (other tools' checkpoints)."""
+    """Bits per weight and the tool that made the checkpoint, where its record says (every export since 2026-12-02;
+    other tools' checkpoints name their tool)."""
     export = (record.get("artifacts") or {}).get("export")
     export = export if isinstance(export, dict) else {}
     bits = export.get("bits_per_weight")

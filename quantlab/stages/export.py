@@ -46,7 +46,17 @@ def write(model, ref_path: Path, out: Path, expect_algo: str, expect_kv: str | N
     if quant.quant_algo != expect_algo or quant.kv_cache_quant_algo != expect_kv:
         raise RuntimeError(f"ModelOpt exported quant_algo={quant.quant_algo} kv={quant.kv_cache_quant_algo}, "
                            f"expected {expect_algo} / {expect_kv}")
-    return {**info_of(quant, out), "experts_without_calibration_tokens": adjusted}
+    return {**info_of(quant, out), **_weight_bits(out), "experts_without_calibration_tokens": adjusted}
+
+
+def _weight_bits(out: Path) -> dict:
+    """Bits per weight of the export's quantized layers (scales included), counted from its files as for any other
+    tool's checkpoint (quantlab.formats.describe), so the sweep summary compares them on one scale."""
+    from quantlab.formats import open_checkpoint
+    from quantlab.formats.describe import describe
+
+    described = describe(open_checkpoint(out))
+    return {k: described[k] for k in ("bits_per_weight", "quantized_layers", "quantized_weights")}
 
 
 def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
