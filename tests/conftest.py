@@ -22,12 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2 (the default): one thre
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-# Small eval / calibration settings: seconds per run on a 2-core CPU. The default gate's tail check (kl_tail <= 5%)
-# needs 59 windows to pass, which 8 cannot give (exit 2): FAST runs drop it; tests/test_realtext.py tests it.
+# Small eval / calibration settings: seconds per run on a 2-core CPU. The default gate's tail checks (kl_tail,
+# ppl_tail, top1_tail <= 5%) need 59 windows to pass, which 8 cannot give (exit 2): FAST runs drop them;
+# tests/test_realtext.py tests them.
+NO_TAILS = [f"~gate.{where}.{tail}" for tail in ("kl_tail", "ppl_tail", "top1_tail")
+            for where in ("thresholds", "per_precision.int4_awq", "per_precision.w4a8_awq")]
 FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.seq_len=64", "eval.max_windows=8",
         "eval.batch_size=4", "eval.gen_prompts=2", "eval.gen_prompt_len=8", "eval.gen_tokens=6",
-        "gate.statistical.look_windows=4", "~gate.thresholds.kl_tail", "~gate.per_precision.int4_awq.kl_tail",
-        "~gate.per_precision.w4a8_awq.kl_tail"]
+        "gate.statistical.look_windows=4", *NO_TAILS]
 
 
 def _train_tokenizer(out: Path) -> None:

@@ -36,7 +36,7 @@ def test_help_is_quantlabs_own(args):
         assert name in out and (p.modelopt_cfg or name in ("mixed", "external"))  # those two quantlab never makes
     assert all(name in out for name, e in ENGINES.items() if e.public)
     assert "default, strict" in out and "smollm2_135m" in out and "pydoc" in out
-    assert re.search(r"calib\.num_samples\s+32\s", out) and re.search(r"eval\.max_windows\s+64\s", out)
+    assert re.search(r"calib\.num_samples\s+32\s", out) and re.search(r"eval\.max_windows\s+160\s", out)
     assert "Exit codes" in out and re.search(r"^\s+130\s", out, re.M) and "python -m quantlab.audit outputs/RUN" in out
 
 

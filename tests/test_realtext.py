@@ -232,10 +232,16 @@ def test_tail_threshold_validation_and_windows_needed():
     cfg = compose(["+precision=fp8", "eval.max_windows=32"])[0]
     with pytest.raises(QuantlabError, match="takes 59 windows"):
         gate_checks.check_gate(cfg.gate, "fp8", cfg.eval)
-    for bad, match in (({"max": 0.05}, "needs above"), ({"max": 1.5, "above": 0.5}, "outside kl_tail's range"),
-                       ({"min": 0.01, "max": 0.05, "above": 0.5}, "no min")):
+    for name, bad, match in (("kl_tail", {"max": 0.05}, "needs above"),
+                             ("kl_tail", {"max": 1.5, "above": 0.5}, "outside kl_tail's range"),
+                             ("kl_tail", {"min": 0.01, "max": 0.05, "above": 0.5}, "no min"),
+                             ("kl_tail", {"max": 0.05, "above": 0.0}, r"outside \(0, inf\)"),
+                             ("ppl_tail", {"max": 0.05, "above": 1.0}, r"ppl ratio .* outside \(1, inf\)"),
+                             ("ppl_tail", {"max": 0.05, "above": 0.9}, "e.g. 1.21"),
+                             ("top1_tail", {"max": 0.05, "above": 1.0}, r"top-1 disagreement .* outside \(0, 1\)"),
+                             ("top1_tail", {"max": 0.05}, "needs above")):
         cfg = compose(["+precision=fp8"])[0]
-        cfg.gate.thresholds = {"kl_tail": bad}
+        cfg.gate.thresholds = {name: bad}
         with pytest.raises(QuantlabError, match=match):
             gate_checks.thresholds_for(cfg.gate, "fp8")
     cfg = compose(["+precision=fp8"])[0]
@@ -301,16 +307,22 @@ def test_tail_check_fails_a_candidate_broken_on_part_of_the_text(tiny_llama, tmp
     w = evaluate.compare_engines(reference, PartlyBroken(), evalset.tokens, cfg.eval)
     w = Windows(w.a, w.targets, evalset.docs, evalset.info["documents"]["labels"], evalset.positions)
     design = stats.make_design(64, 8, 0.05, 0.2)
-    thresholds = {"kl_tail": Threshold(max=0.05, above=0.5)}
+    thresholds = {"kl_tail": Threshold(max=0.05, above=0.5), "ppl_tail": Threshold(max=0.05, above=1.21),
+                  "top1_tail": Threshold(max=0.05, above=0.4)}
     look = len(design.looks) - 1
     found = gate_checks.finish(gate_checks.evaluate_checks(thresholds, w, None, design, look), at_cap=True)
-    tail = found[0]
-    assert not tail.passed and tail.verdict == "fail"
+    assert [c.metric for c in found] == ["kl_tail", "ppl_tail", "top1_tail"]
     labels = {evalset.doc_label(d) for d in broken_docs}
-    assert tail.where and all(any(label in x["window"] for label in labels) for x in tail.where)
-    assert tail.clusters == len(sizes)
+    for tail in found:  # each tail check on its own quantity: KL, the window's ppl ratio, its top-1 disagreement
+        assert not tail.passed and tail.verdict == "fail", tail.detail
+        assert tail.where and all(any(label in x["window"] for label in labels) for x in tail.where)
+        assert tail.clusters == len(sizes)
+    ppl = found[1]
+    ratio = np.exp(w.per_window("dnll"))
+    assert ppl.where[0]["value"] == pytest.approx(ratio.max()) and "ppl ratio above 1.21" in ppl.name
+    assert found[2].where[0]["value"] == pytest.approx(1 - w.per_window("agree").min())
     # the same candidate where it is not broken: the tail check passes at 64 windows, none beyond the bound
     clean = [i for i in range(64) if int(evalset.docs[i]) not in broken_docs]
     w_clean = Windows({k: np.concatenate([v[clean]] * 2)[:64] for k, v in w.a.items()},
                       np.concatenate([w.targets[clean]] * 2)[:64])
-    assert gate_checks.evaluate_checks(thresholds, w_clean, None, design, look)[0].verdict == "pass"
+    assert [c.verdict for c in gate_checks.evaluate_checks(thresholds, w_clean, None, design, look)] == ["pass"] * 3

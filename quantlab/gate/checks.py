@@ -9,8 +9,9 @@ used (quantlab.gate.stats). Directions and ranges come from the metric registry,
 Quantile thresholds (kl_p99 <= t) are tested as the share of positions above t (<= 1%), a mean over windows like
 every other check. Means are tested with the windows' documents as clusters (quantlab.gate.stats.Clusters); each
 check reports the documents, the measured intra-document correlation and the design effect. A tail check
-(kl_tail: {max: s, above: B}) tests the share of windows whose mean KL exceeds B with exact binomial boundaries and
-names the windows beyond B. A baseline (metrics.json of an earlier release) adds paired one-sided regression checks.
+(kl_tail / ppl_tail / top1_tail: {max: s, above: B}) tests the share of windows whose mean KL / perplexity ratio /
+top-1 disagreement exceeds B with exact binomial boundaries and names the windows beyond B. A baseline (metrics.json
+of an earlier release) adds paired one-sided regression checks.
 """
 from __future__ import annotations
 
@@ -116,16 +117,21 @@ def _check_threshold(where: str, name: str, th: Threshold, seq_len: int | None) 
 
 
 def _check_tail(where: str, name: str, th: Threshold, spec) -> None:
-    """A tail check needs the share (max, strictly between 0 and 1) and the per-window bound (above > 0); `above`
-    means nothing elsewhere."""
+    """A tail check needs the share (max, strictly between 0 and 1) and the per-window bound (`above`, strictly inside
+    the tail's range: a KL > 0, a ppl ratio > 1, a top-1 disagreement in (0, 1)); `above` means nothing elsewhere."""
     if spec.tail_of is None:
         if th.above is not None:
-            raise QuantlabError(f"{where}.{name}.above: only tail checks (kl_tail) have a per-window bound",
+            tails = ", ".join(n for n, s in metrics.METRICS.items() if s.tail_of)
+            raise QuantlabError(f"{where}.{name}.above: only tail checks ({tails}) have a per-window bound",
                                 fix=f"drop {where}.{name}.above")
         return
-    if th.above is None or not math.isfinite(th.above) or th.above <= 0:
-        raise QuantlabError(f"{where}.{name} needs above: the per-window {spec.tail_of} mean beyond which a window "
-                            "counts as bad (a positive number)", fix=f"set {where}.{name}.above, e.g. 0.5")
+    lo, hi = spec.tail_range
+    example = {"kl": "0.5", "dnll": "1.21", "disagree": "0.4"}.get(spec.tail_of, "0.5")
+    if th.above is None or not math.isfinite(th.above) or not lo < th.above < hi:
+        got = "is not set" if th.above is None else f"= {th.above:g} is outside ({lo:g}, {hi:g})"
+        raise QuantlabError(f"{where}.{name} needs above, the per-window {spec.tail_words} beyond which a window "
+                            f"counts as bad, strictly between {lo:g} and {hi:g}: {where}.{name}.above {got}",
+                            fix=f"set {where}.{name}.above, e.g. {example}")
     if th.max is None or not 0 < th.max < 1 or th.min is not None or th.bucket is not None:
         raise QuantlabError(f"{where}.{name} bounds the share of windows beyond {th.above:g}: it takes max (strictly "
                             "between 0 and 1) and above, no min or bucket", fix=f"set {where}.{name}.max, e.g. 0.05")
@@ -261,9 +267,9 @@ def _test(name: str, bound: float, w: Windows, gen: dict | None, above: float | 
     spec = metrics.METRICS[name]
     hib = spec.higher_is_better
     if spec.tail_of is not None:  # share of windows beyond `above` < bound, tested on 0/1 outcomes
-        values = w.per_window(spec.tail_of)
+        values = spec.tail_value(w.per_window(spec.tail_of))
         return _Test((values > above).astype(np.float64), bound, False, binary=True, tail=values,
-                     mde_unit=f"share of windows with mean {spec.tail_of} > {above:g}")
+                     mde_unit=f"share of windows with {spec.tail_words} > {above:g}")
     if spec.quantile is not None:  # p-th percentile <= t  <=>  share of positions above t <= 1 - p
         q = spec.quantile
         return _Test(w.exceedance(bound), 1 - q, False, value=stats.percentile(w.a["kl"], q),
@@ -319,7 +325,8 @@ def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design
         detail += f"; {int(beyond.size)} of {d.n} windows beyond {th.above:g}" + (
             ": " + ", ".join(f"{x['window']} {x['value']:.3g}" for x in where) if where else "")
     return Check(f"{name} {op} {bound:g}" + (f" [{bucket}]" if bucket else "") +
-                 (f" (windows above {th.above:g})" if test.tail is not None else ""), "threshold", name, float(value),
+                 (f" (windows with {metrics.METRICS[name].tail_words} above {th.above:g})" if test.tail is not None
+                  else ""), "threshold", name, float(value),
                  float(bound), op, d.verdict == "pass", float(margin), d.verdict, [float(ci[0]), float(ci[1])],
                  level, float(d.mde), test.mde_unit, d.n, bucket, detail, summary.get("clusters"), summary.get("icc"),
                  summary.get("design_effect"), summary.get("df"), where)

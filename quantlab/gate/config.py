@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 @dataclass
 class Threshold:
     """One metric's bounds (min and / or max) and, optionally, the position bucket(s) it applies to; a tail check
-    (kl_tail) also names the per-window bound `above` whose exceedance share `max` bounds."""
+    (kl_tail, ppl_tail, top1_tail) also names the per-window bound `above` whose exceedance share `max` bounds."""
     min: Optional[float] = None
     max: Optional[float] = None
     bucket: Optional[str] = None  # worst: every position bucket must pass (0-128, 128-512, 512-2k, ...); or one label

@@ -44,6 +44,13 @@ class MetricSpec:
     unit: str = ""
     log_scale: bool = False  # tested as a mean of log values (perplexities): a threshold must be > 0
     tail_of: str | None = None  # a tail check: share of windows whose per-window mean of this quantity > `above`
+    tail_words: str = ""  # tail checks: what `above` bounds, in words ("mean KL", "ppl ratio", ...)
+    tail_ratio: bool = False  # tail checks: `above` is a per-window ratio of perplexities, exp(mean dNLL)
+    tail_range: tuple[float, float] = (0.0, math.inf)  # tail checks: `above` strictly inside this range
+
+    def tail_value(self, per_window):
+        """The per-window values a tail check compares with `above` (a ratio of perplexities: exp of mean dNLL)."""
+        return np.exp(per_window) if self.tail_ratio else per_window
 
     def loss(self, value: float) -> float:
         """How far from ideal, in the metric's units, positive when worse (attribution adds these up)."""
@@ -76,7 +83,16 @@ for _name, _spec in {
     "kl_max": MetricSpec(False, "largest per-position KL", 0.0, gateable=False, in_table=False, range=_POS),
     "kl_tail": MetricSpec(False, "share of windows whose mean KL exceeds the threshold's `above` bound (a tail check: "
                                  "a candidate broken on a few percent of the text fails it)", 0.0, in_table=False,
-                          range=_P, unit="share of windows", tail_of="kl"),
+                          range=_P, unit="share of windows", tail_of="kl", tail_words="mean KL"),
+    "ppl_tail": MetricSpec(False, "share of windows whose perplexity ratio exp(mean NLL_cand - NLL_ref) exceeds the "
+                                  "threshold's `above` bound (a tail check: a candidate whose perplexity is fine on "
+                                  "average and broken on a few percent of the text fails it)", 0.0, in_table=False,
+                           range=_P, unit="share of windows", tail_of="dnll", tail_words="ppl ratio",
+                           tail_ratio=True, tail_range=(1.0, math.inf)),
+    "top1_tail": MetricSpec(False, "share of windows whose top-1 disagreement (1 - top-1 agreement) exceeds the "
+                                   "threshold's `above` bound (a tail check)", 0.0, in_table=False, range=_P,
+                            unit="share of windows", tail_of="disagree", tail_words="top-1 disagreement",
+                            tail_range=(0.0, 1.0)),
     "dp_true_mean": MetricSpec(True, "mean over positions of p_cand(correct token) - p_ref(correct token) "
                                      "(llama.cpp's mean delta-p)", 0.0, in_table=False, range=(-1.0, 1.0)),
     "dp_true_rms": MetricSpec(False, "root mean square of the same delta-p", 0.0, gateable=False, in_table=False,
@@ -230,12 +246,14 @@ class Windows:
         return where
 
     def per_window(self, name: str) -> np.ndarray:
-        """Per-window mean of a per-position quantity (or of a derived one: dnll, agree, flips)."""
+        """Per-window mean of a per-position quantity (or of a derived one: dnll, agree, disagree, flips)."""
         a = self.a
         if name == "dnll":
             v = a["nll_cand"].astype(np.float64) - a["nll_ref"]
         elif name == "agree":
             v = (a["argmax_cand"] == a["argmax_ref"]).astype(np.float64)
+        elif name == "disagree":
+            v = (a["argmax_cand"] != a["argmax_ref"]).astype(np.float64)
         elif name == "flip_rate":
             v = ((a["argmax_ref"] == self.targets) != (a["argmax_cand"] == self.targets)).astype(np.float64)
         elif name == "net_flip":
