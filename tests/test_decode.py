@@ -288,7 +288,7 @@ def test_int4_kernels_under_triton_interpreter():
     bad = [c for c in out["kernels"] if not c["ok"]]
     assert not bad, bad
     ran = {c["kernel"] for c in out["kernels"]}
-    assert ran == {"gemv", "gemm", "k8", "k8_dot_nosplit", "k8_fma_split", "k8_dense"}, ran
+    assert ran == {"gemv", "gemm", "k8", "k8_dot_nosplit", "k8_fma_split", "k8_gemv_split", "k8_dense"}, ran
     assert any(c["kernel"] == "k8" and c["rows"] == 1 and c["k"] == 512 for c in out["kernels"])  # split over K
     for layout, layer in out["layers"].items():
         assert layer["layout"] == layout and layer["repacked"] == (layout == "k8"), layer

@@ -222,3 +222,178 @@ def w4a16_k8_dequant(w_ptr, s_ptr, out_ptr, N, stride_sg, K: tl.constexpr, GROUP
             s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + rn, mask=mask_n, other=0.0).to(tl.float32)
         w = _k8_dequant(wv, j, s, FAST)
         tl.store(out_ptr + rn[:, None] * K + (k0 + ri)[None, :], w.to(dtype), mask=mask_n[:, None])
+
+
+# ------------------------------------------------------------------------------------------------ k8, one row
+# Word i of block b holds nibble j at bits 4j: the input 128b + 16j + i. `(w >> 4j) & 0x000F000F` puts nibbles j and
+# j + 4 (inputs 16j + i and 16j + 64 + i of the block) into the two 16-bit halves of one register: a pair.
+_PAIR_ASM = {
+    # 16-bit halves ORed into 128.0 (bf16 0x4300: unit step) or 1024.0 (f16 0x6400): 128 + u; minus 136 (1032)
+    # gives the code u - 8 exactly; times the scale pair, rounded once (RN) to the 16-bit type; each half widened
+    # to fp32 exactly (bf16: the bits moved up; f16: cvt).
+    "bf16": ("lop3.b32 v, t, 0x000F000F, 0x43004300, 0xEA;\n"
+             "fma.rn.bf16x2 v, v, 0x3F803F80, 0xC308C308;\n"
+             "fma.rn.bf16x2 v, v, $3, 0x80008000;\n"
+             "shl.b32 $0, v, 16;\n"
+             "and.b32 $1, v, 0xFFFF0000;"),
+    "f16": ("lop3.b32 v, t, 0x000F000F, 0x64006400, 0xEA;\n"
+            "fma.rn.f16x2 v, v, 0x3C003C00, 0xE408E408;\n"
+            "fma.rn.f16x2 v, v, $3, 0x80008000;\n"
+            "mov.b32 {a, b}, v;\n"
+            "cvt.f32.f16 $0, a;\n"
+            "cvt.f32.f16 $1, b;"),
+}
+
+
+def _pair_asm_text(jp: int, kind: str) -> str:
+    """The PTX of one pair (nibbles jp and jp + 4 of a word): inputs $2 (the word), $3 (the two scales, 16-bit
+    halves); outputs $0 / $1 (the low / high nibble's weight in fp32)."""
+    shift = f"shr.u32 t, $2, {4 * jp};\n" if jp else "mov.b32 t, $2;\n"
+    body = _PAIR_ASM[kind]
+    # PTX takes no immediate for a packed 16-bit operand: the constants go through registers
+    consts = {"0x3F803F80": "c1", "0xC308C308": "c2", "0x3C003C00": "c1", "0xE408E408": "c2", "0x80008000": "c3"}
+    movs = ""
+    for value, reg in consts.items():
+        if value in body:
+            body = body.replace(value, reg)
+            movs += f"mov.b32 {reg}, {value};\n"
+    return "{\n.reg .b32 t, v, c1, c2, c3;\n.reg .b16 a, b;\n" + movs + shift + body + "\n}"
+
+
+# one constexpr per pair and type (a kernel reads globals only as constexprs)
+_BF16_0, _BF16_1, _BF16_2, _BF16_3 = (tl.constexpr(_pair_asm_text(jp, "bf16")) for jp in range(4))
+_F16_0, _F16_1, _F16_2, _F16_3 = (tl.constexpr(_pair_asm_text(jp, "f16")) for jp in range(4))
+
+
+@triton.jit
+def _pair_asm(wv, sp, JP: tl.constexpr, BF16: tl.constexpr):
+    """The PTX block of pair JP on words wv and packed scale pairs sp -> (low, high) fp32."""
+    f32x2: tl.constexpr = (tl.float32, tl.float32)
+    if BF16:
+        if JP == 0:
+            out = tl.inline_asm_elementwise(_BF16_0, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        elif JP == 1:
+            out = tl.inline_asm_elementwise(_BF16_1, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        elif JP == 2:
+            out = tl.inline_asm_elementwise(_BF16_2, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_BF16_3, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+    else:
+        if JP == 0:
+            out = tl.inline_asm_elementwise(_F16_0, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        elif JP == 1:
+            out = tl.inline_asm_elementwise(_F16_1, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        elif JP == 2:
+            out = tl.inline_asm_elementwise(_F16_2, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(_F16_3, "=r,=r,r,r", [wv, sp], dtype=f32x2, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _gemv_nibble(wv, j: tl.constexpr, s, FAST: tl.constexpr):
+    """Nibble j of int32 words wv (any shape) -> (code - 8) * s exactly in fp32 (s fp32, broadcast against wv): the
+    arithmetic of _k8_dequant without its row broadcast."""
+    if FAST:
+        P = 12 + 4 * ((0b10110010 >> j) & 1)
+        SHIFT = P - 4 * j
+        if SHIFT > 0:
+            ws = wv << SHIFT
+        elif SHIFT < 0:
+            ws = wv >> (-SHIFT)
+        else:
+            ws = wv
+        v = ((ws & (15 << P)) | 0x3F800000).to(tl.float32, bitcast=True)
+        big = s * (1 << (23 - P))
+        return v * big - (big + 8.0 * s)
+    u = (wv >> (4 * j)) & 15
+    q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return q * s
+
+
+@triton.jit
+def _gemv_pair(wv, s_lo, s_hi, JP: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr):
+    """Nibbles JP and JP + 4 of the words wv [R, B, 16] -> their weights in fp32, each q * s rounded once to dtype
+    (s_lo / s_hi [R, B, 1]: the scales of the two nibbles' groups). ASM (bf16 / fp16 on the GPU): one PTX block per
+    word and pair (a shift, a LOP3, two packed FMAs, two widenings); else the same values in Triton."""
+    if ASM:
+        h_lo = s_lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        h_hi = s_hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        sp = h_lo | (h_hi << 16)
+        lo, hi = _pair_asm(wv, sp, JP, dtype == tl.bfloat16)
+    else:
+        lo = _gemv_nibble(wv, JP, s_lo.to(tl.float32), FAST).to(dtype).to(tl.float32)
+        hi = _gemv_nibble(wv, JP + 4, s_hi.to(tl.float32), FAST).to(dtype).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _gemv_x(x_ptr, p_ptr, b, JP: tl.constexpr, HAS_PQS: tl.constexpr):
+    """x at inputs 128 b + 16 JP + i (b [B], i < 16) -> [B, 16] fp32 (times pre_quant_scale rounded to x's dtype)."""
+    kk = b[:, None] * 128 + 16 * JP + tl.arange(0, 16)[None, :]
+    x = tl.load(x_ptr + kk)
+    if HAS_PQS:
+        x = (x.to(tl.float32) * tl.load(p_ptr + kk).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_load(w_ptr, s_ptr, rn, mask_n, b, stride_sg, KW: tl.constexpr, GROUP: tl.constexpr):
+    """The words of blocks b [B] for rows rn ([R, B, 16] int32) and the scales of each block's first group
+    ([R, B])."""
+    ri = tl.arange(0, 16)
+    wv = tl.load(w_ptr + rn[:, None, None] * KW + (b * 16)[None, :, None] + ri[None, None, :],
+                 mask=mask_n[:, None, None], other=0, eviction_policy="evict_first")
+    s0 = tl.load(s_ptr + ((b * 128) // GROUP)[None, :] * stride_sg + rn[:, None], mask=mask_n[:, None], other=0.0)
+    return wv, s0
+
+
+@triton.jit
+def w4a16_k8_gemv(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, N, stride_sg,  # noqa: PLR0913
+                  K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BPI: tl.constexpr, HAS_PQS: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr):
+    """y [1, N] = x [1, K] @ dequant(W)^T on the k8 layout, with FMAs (no tensor cores: one row).
+
+    Program (n tile, K split) reads BLOCK_N rows x K/SPLIT_K inputs, BPI blocks of 128 inputs per step (one
+    [BLOCK_N, BPI, 16]-word load: 64 BPI contiguous bytes per row, 128-bit loads). Each word gives four pairs of
+    weights (_gemv_pair) multiplied into [BLOCK_N, BPI, 16] fp32 accumulators, summed once at the end. The K split
+    is combined as in w4a16_k8 (fp32 partials, the last program of a tile sums them in split order)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    dtype = y_ptr.dtype.element_ty
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rb = tl.arange(0, BPI)
+    KW: tl.constexpr = K // 8
+    PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
+    acc = tl.zeros([BLOCK_N, BPI, 16], dtype=tl.float32)
+    for it in range(PER_SPLIT // BPI):
+        b = pid_k * PER_SPLIT + it * BPI + rb
+        wv, s0 = _gemv_load(w_ptr, s_ptr, rn, mask_n, b, stride_sg, KW, GROUP)
+        for jp in tl.static_range(4):
+            if jp == 0:
+                s_lo = s0[:, :, None]
+            elif (16 * jp) % GROUP == 0:  # the group of nibble jp changes
+                s_lo = tl.load(s_ptr + ((b * 128 + 16 * jp) // GROUP)[None, :] * stride_sg + rn[:, None],
+                               mask=mask_n[:, None], other=0.0)[:, :, None]
+            if GROUP >= 128:
+                s_hi = s_lo
+            elif (16 * jp) % GROUP == 0:  # nibble jp + 4: input 64 further on
+                s_hi = tl.load(s_ptr + ((b * 128 + 16 * jp + 64) // GROUP)[None, :] * stride_sg + rn[:, None],
+                               mask=mask_n[:, None], other=0.0)[:, :, None]
+            lo, hi = _gemv_pair(wv, s_lo, s_hi, jp, dtype, ASM, FAST)
+            acc += lo * _gemv_x(x_ptr, p_ptr, b, jp, HAS_PQS)[None, :, :]
+            acc += hi * _gemv_x(x_ptr, p_ptr, b, jp + 4, HAS_PQS)[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rn, out.to(dtype), mask=mask_n)
+    else:
+        tl.store(ws_ptr + pid_k * N + rn, out, mask=mask_n)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                total += tl.load(ws_ptr + sk * N + rn, mask=mask_n, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rn, total.to(dtype), mask=mask_n)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)

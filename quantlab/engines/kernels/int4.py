@@ -8,7 +8,12 @@ accumulation differs from a dequantize-then-GEMM.
 Two layouts, two kernel families:
 - k8 (what the engine runs): `repack` rewrites the export's codes once at load into int32 [N, K/8], 8 codes of one
   output row per word along K (offset binary; within each block of 128 inputs, nibble j of word i is input
-  128b + 16j + i), and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, up to
+  128b + 16j + i), and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, for
+  one row (decode at batch 1), the FMA kernel w4a16_k8_gemv (split over K like the next one; on the GPU in bf16 /
+  fp16 each pair of weights is dequantized by a short PTX block: the two codes moved into one register's 16-bit
+  halves with a LOP3 and the magic-number trick, u - 8 by a packed FMA (exact), times the two scales by a packed FMA
+  (RN: the one rounding of q * scale to the compute dtype), each half widened exactly to fp32 for the FMAs with x;
+  in Triton's interpreter the same values come from Triton arithmetic: the contract above is unchanged); up to
   DENSE_ROWS rows, one split-K kernel (w4a16_k8: every SM streams codes; partials reduced in fp32 by the last
   program of each tile, in a fixed order) in one of two modes - tensor-core products of dequantized 16-wide tiles
   (`dot`), or FMAs (one row per program) - with a configuration per shape (`k8_config`: the table CONFIGS that
@@ -190,7 +195,14 @@ def m_bucket(m: int) -> int:
 
 
 # (row class, N, K) -> configuration; bench/decode.py --check's sweep fills it for the run and prints it to commit.
-CONFIGS: dict[tuple[int, int, int], dict] = {}
+# One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the sweep's table from the H200 run of
+# bench/results/h200-2026-12-02/decode_run1.log (the configuration of its int4_awq timings).
+CONFIGS: dict[tuple[int, int, int], dict] = {
+    (1, 4096, 4096): {"gemv": True, "block_n": 64, "bpi": 1, "split_k": 8, "num_warps": 4},
+    (1, 4096, 14336): {"gemv": True, "block_n": 128, "bpi": 1, "split_k": 56, "num_warps": 4},
+    (1, 6144, 4096): {"gemv": True, "block_n": 64, "bpi": 1, "split_k": 8, "num_warps": 4},
+    (1, 28672, 4096): {"gemv": True, "block_n": 64, "bpi": 2, "split_k": 4, "num_warps": 4},
+}
 
 
 @functools.cache
@@ -213,17 +225,33 @@ def default_split(tiles: int, k: int, bpi: int, sms: int) -> int:
     return next((s for s in splits if tiles * s >= TARGET_WAVES * sms), splits[-1])
 
 
-def k8_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
-    """The configuration of the k8 kernel for M rows of an [N, K] layer: the sweep's (CONFIGS), else the default:
-    tensor-core mode, 64 output rows a program, 2 blocks a step, K split for TARGET_WAVES programs per SM."""
-    cfg = CONFIGS.get((m_bucket(m), n, k))
-    if cfg is not None and cfg["split_k"] in valid_splits(k, cfg["bpi"]):
-        return cfg
+def k8_dot_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
+    """The split-K kernel's default: tensor-core mode, 64 output rows a program, 2 blocks a step, K split for
+    TARGET_WAVES programs per SM."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     bpi = 2 if (k // 128) % 2 == 0 else 1
     tiles = -(-n // 64) * -(-m // block_m)
     return {"dot": True, "block_n": 64, "block_m": block_m, "bpi": bpi,
             "split_k": default_split(tiles, k, bpi, _sm_count(device)), "num_warps": 4, "num_stages": 2}
+
+
+def k8_gemv_config(n: int, k: int, device: str = "cuda", block_n: int = 64, bpi: int = 2,
+                   num_warps: int = 4) -> dict:
+    """The one-row kernel's configuration: block_n rows a program, bpi blocks a step (fewer where K has fewer), K
+    split for TARGET_WAVES programs per SM."""
+    while bpi > 1 and not valid_splits(k, bpi):
+        bpi //= 2
+    return {"gemv": True, "block_n": block_n, "bpi": bpi,
+            "split_k": default_split(-(-n // block_n), k, bpi, _sm_count(device)), "num_warps": num_warps}
+
+
+def k8_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
+    """The configuration of the k8 kernels for M rows of an [N, K] layer: the sweep's (CONFIGS), else the default:
+    one row the FMA kernel (k8_gemv_config), more rows the tensor-core split-K kernel (k8_dot_config)."""
+    cfg = CONFIGS.get((m_bucket(m), n, k))
+    if cfg is not None and cfg["split_k"] in valid_splits(k, cfg["bpi"]):
+        return cfg
+    return k8_gemv_config(n, k, device) if m == 1 else k8_dot_config(m, n, k, device)
 
 
 def _k8_dense(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None,
@@ -263,6 +291,8 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
         return _k8_dense(x, qweight, scales_t, pqs, group)
     cfg = config or k8_config(m, n, k, str(x.device))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if cfg.get("gemv") and m == 1:
+        return _k8_gemv(x, qweight, scales_t, pqs, group, cfg, y)
     dot, split = cfg["dot"], cfg["split_k"]
     block_m = cfg["block_m"] if dot else 1
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, block_m))
@@ -273,6 +303,30 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
                            F32_DOT=x.dtype == torch.float32 or interpreted(),
                            FAST=x.dtype in (torch.bfloat16, torch.float16),
                            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    return y
+
+
+def gemv_asm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the one-row kernel dequantizes with its PTX blocks (bf16 / fp16 on a CUDA device of compute
+    capability 8.0 or later; not in Triton's interpreter, which runs the same arithmetic written in Triton)."""
+    return (dtype in (torch.bfloat16, torch.float16) and device.type == "cuda" and not interpreted()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def _k8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
+             cfg: dict, y: torch.Tensor) -> torch.Tensor:
+    """One row: the FMA kernel w4a16_k8_gemv (split over K as configured) into y [1, N]."""
+    triton, kernels = _kernels()
+    k = x.shape[1]
+    n = qweight.shape[0]
+    split = cfg["split_k"]
+    grid = (triton.cdiv(n, cfg["block_n"]), split)
+    ws, cnt = _SCRATCH.get(x.device, split * n if split > 1 else 0, grid[0])
+    kernels.w4a16_k8_gemv[grid](x, qweight, scales_t, pqs if pqs is not None else scales_t, y, ws, cnt, n,
+                                scales_t.stride(0), k, GROUP=group, BLOCK_N=cfg["block_n"], SPLIT_K=split,
+                                BPI=cfg["bpi"], HAS_PQS=pqs is not None, ASM=gemv_asm(x.dtype, x.device),
+                                FAST=x.dtype in (torch.bfloat16, torch.float16),
+                                num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     return y
 
 
@@ -300,6 +354,8 @@ def k8_variants(rows: int, k: int) -> list[tuple[str, dict | None]]:
     out = [("k8", None), ("k8_dot_nosplit", {"dot": True, "block_n": 32, "block_m": 16, "bpi": 1, "split_k": 1})]
     if rows <= 4:
         out.append(("k8_fma_split", {"dot": False, "block_n": 32, "block_m": 1, "bpi": bpi, "split_k": split}))
+    if rows == 1:
+        out.append(("k8_gemv_split", {"gemv": True, "block_n": 32, "bpi": bpi, "split_k": split}))
     out.append(("k8_dense", {"dense": True}))
     return out
 
@@ -398,9 +454,18 @@ def k8_usable(device: str, dtype: torch.dtype) -> bool:
 
 def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
     """k8 configurations bench/decode.py --check times for M rows of an [N, K] layer (all valid for K): for one row
-    tensor-core and FMA modes over tile widths and steps, each at the default's split and the next larger; for more
-    rows, tensor-core tiles of the row class."""
+    the one-row kernel over tile widths and steps, each at its default split and the two next to it; for more rows,
+    tensor-core tiles of the row class, each at the default's split and the next larger."""
     sms = _sm_count("cuda") if torch.cuda.is_available() else 132
+    if m == 1:  # the one-row kernel over tile shapes, each at its default split and the two next to it
+        out = []
+        for block_n, bpi, warps in ((64, 2, 4), (128, 1, 4), (64, 1, 4), (256, 1, 4)):
+            base = k8_gemv_config(n, k, "cuda" if torch.cuda.is_available() else "cpu", block_n, bpi, warps)
+            splits = valid_splits(k, base["bpi"])
+            i = splits.index(base["split_k"])
+            out += [{**base, "split_k": s} for s in sorted({splits[max(0, i - 1)], base["split_k"],
+                                                              splits[min(len(splits) - 1, i + 1)]})]
+        return out
     out = []
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = -(-m // block_m)
