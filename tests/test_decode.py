@@ -7,6 +7,7 @@ compiles), FP8 KV stored in E4M3 and equal to the full-sequence quantize-dequant
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -397,13 +398,17 @@ def test_decode_attention_kernel_under_triton_interpreter(family_model, exports)
                          env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
+    layers = {}  # every attention layer of each model runs the kernel (the Gemma 2 / 3 models have 4, others 2)
+    for name, path in {**paths, **fp8_kv}.items():
+        config = json.loads((Path(path) / "config.json").read_text())
+        layers[name] = (config.get("text_config") or config)["num_hidden_layers"]
     bad = [c for c in out["kernel"] if not c["ok"]]
     assert not bad, bad
     assert {c["splits"] > 1 for c in out["kernel"]} == {True, False}  # the combine and the single-split store
     for name, row in out["families"].items():
         assert row["ids_equal"], (name, row)
         assert row["step_err"] < 1e-5, (name, row)
-        assert row["kernel_modules"] == 2 and "triton decode attention" in row["step_paths"], (name, row)
+        assert row["kernel_modules"] == layers[name] and "triton decode attention" in row["step_paths"], (name, row)
         if "compiled" in row:
             assert row["compiled"] == {"ids_equal": True, "graphs": 1 + (name == "gemma2"), "breaks": {}}, (name, row)
     assert set(out["families"]) == set(paths) | set(fp8_kv)
