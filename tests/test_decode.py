@@ -299,6 +299,93 @@ def test_int4_kernels_under_triton_interpreter():
     assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]
 
 
+# ------------------------------------------------------------------------------------------------ FP8 GEMV
+INTERPRETED_FP8 = r"""
+import json, torch
+from torch import nn
+from quantlab.engines import qlayers
+from quantlab.engines.kernels import fp8
+
+out = {"kernels": fp8.check("cpu"), "usable": fp8.usable("cpu")}
+g = torch.Generator().manual_seed(5)
+k, n, inter = 256, 64, 96
+cfg = {"block_n": 16, "block_k": 64, "split_k": 2, "num_warps": 4}
+for shape in ((n, k), (2 * inter, k)):  # not down: its bf16 output needs the GPU
+    fp8.CONFIGS[shape] = cfg
+
+
+def layer(out_f, in_f):  # a native layer (torch._scaled_mm runs on the CPU too)
+    return qlayers.Fp8Linear(fp8.codes((out_f, in_f), g, 0.25), torch.tensor(0.004), torch.tensor(0.02), None, True)
+
+
+lin = layer(n, k)
+holder = nn.ModuleDict({"lin": lin})
+out["sent"] = qlayers.use_fp8_gemv(holder)
+diffs = {}
+for dtype in (torch.float16, torch.float32):
+    x = torch.randn(1, 1, k, generator=g).to(dtype) * 3
+    lin.gemv = True
+    y = lin(x)
+    compiled = torch.compile(lambda t: lin(t), backend="eager", fullgraph=True)(x)
+    lin.gemv = False
+    ref = lin(x)
+    xq = qlayers.fp8_quantize(x.reshape(1, k), lin.inv_input_scale)
+    exact, bound = fp8.bound(xq, lin.weight, float(lin.input_scale * lin.weight_scale), dtype)
+    diffs[str(dtype)] = {"kernel_vs_exact": float(((y.reshape(1, n).double() - exact).abs() / bound).max()),
+                         "scaled_mm_vs_kernel": float((ref - y).abs().max() / ref.abs().max()),
+                         "compiled_equal": bool(torch.equal(compiled, y))}
+out["layer"] = diffs
+
+# gate|up (fp32 accumulators, unit scales) through the kernel inside Fp8GatedMLP: the same MLP output as cuBLAS's
+gate, up, down = layer(inter, k), layer(inter, k), layer(k, inter)
+gate.inv_input_scale = up.inv_input_scale
+gate.input_scale = up.input_scale
+mlp = qlayers.Fp8GatedMLP(gate, up, down)
+mlp.fp32_gemm = True
+holder = nn.ModuleDict({"mlp": mlp})
+x = torch.randn(1, 1, k, generator=g).bfloat16()
+ref = mlp(x)
+out["mlp_sent"] = qlayers.use_fp8_gemv(holder)
+y = mlp(x)
+xq = qlayers.fp8_quantize(x.reshape(1, k), mlp.inv_input_scale)
+acc = torch.ops.quantlab.fp8_gemv(xq, mlp.weight, mlp.one, mlp.one, torch.float32)
+exact, bound = fp8.bound(xq, mlp.weight, 1.0, torch.float32)
+out["mlp"] = {"gemv": mlp.gemv, "acc_vs_exact": float(((acc.double() - exact).abs() / bound).max()),
+              "rel_diff": float((y - ref).float().abs().max() / ref.float().abs().max())}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_fp8_gemv_under_triton_interpreter():
+    """The one-row FP8 GEMV (quantlab::fp8_gemv) on the CPU under Triton's interpreter, in a fresh process: every
+    case and configuration (no split, splits, unrolled, N not a multiple of the tile, 3 rows; fp16 out with the two
+    scales, fp32 out with unit scales) within its bound of the exact float64 arithmetic; the startup check passes;
+    use_fp8_gemv sends a native layer with a configured shape to the kernel, whose output matches the exact
+    arithmetic and torch._scaled_mm's (to rounding order), also traced by torch.compile; the fused gate|up GEMM of
+    Fp8GatedMLP through the kernel gives the MLP's output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", INTERPRETED_FP8], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    bad = [c for c in out["kernels"] if not c["ok"]]
+    assert not bad, bad
+    assert {c["kernel"] for c in out["kernels"]} == {"n32_k128_nosplit", "n16_k64_split", "n64_k32_split_max",
+                                                     "n32_k64_unrolled", "default"}
+    assert out["usable"] and out["sent"] == 1
+    for dtype, d in out["layer"].items():
+        assert d["kernel_vs_exact"] <= 1.0 and d["compiled_equal"], (dtype, d)
+        assert d["scaled_mm_vs_kernel"] < (2e-3 if "16" in dtype else 1e-5), (dtype, d)
+    assert out["mlp_sent"] == 1 and out["mlp"]["gemv"] and out["mlp"]["acc_vs_exact"] <= 1.0, out
+    assert out["mlp"]["rel_diff"] < 2e-2, out["mlp"]  # an fp8 requantization may flip one step: bf16 output
+
+
 # ------------------------------------------------------------------------------------------------ decode attention
 INTERPRETED_ATTENTION = r"""
 import json, sys, torch

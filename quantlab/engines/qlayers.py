@@ -3,7 +3,8 @@ registry QLAYERS: quant_algo -> layer class. Each class knows how to load itself
 (`from_checkpoint`) and how to give back its dequantized weight (`dequantized_weight`), so the engine, the weight
 report and the audit never branch on format names.
 
-- Fp8Linear:    W8A8 FP8 E4M3, static per-tensor scales. torch._scaled_mm on GPUs with FP8 (sm_89+);
+- Fp8Linear:    W8A8 FP8 E4M3, static per-tensor scales. torch._scaled_mm on GPUs with FP8 (sm_89+), and at one
+                row quantlab's FP8 GEMV (kernels.fp8) at the shapes where it was measured faster (use_fp8_gemv);
                 elsewhere exact emulation: fp8 products are exact in fp32, accumulation in fp32.
 - Int8SqLinear: SmoothQuant W8A8: x * pre_quant_scale, static per-tensor int8 activations, per-channel int8
                 weights, int32 accumulation with torch._int_mm.
@@ -163,6 +164,7 @@ class Fp8Linear(QuantLinear):
             self.register_buffer("weight_f32", weight.float())  # exact: every E4M3 value is an fp32 value
         self.shared: SharedActivation | None = None  # set when siblings read the same activation
         self.shared_index = 0
+        self.gemv = False  # one row through quantlab::fp8_gemv (use_fp8_gemv)
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, _fmt, ctx):
@@ -198,6 +200,8 @@ class Fp8Linear(QuantLinear):
         """An already quantized activation [M, K] times the weight, both scales applied (fp32 when emulated)."""
         if self.native:
             rows = xq.shape[0]
+            if self.gemv and rows == 1:  # the same products and fp32 sums, scaled and rounded the same way
+                return torch.ops.quantlab.fp8_gemv(xq, self.weight, self.input_scale, self.weight_scale, out_dtype)
             out = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.input_scale,
                                    scale_b=self.weight_scale, out_dtype=out_dtype)
             return out[:rows]
@@ -407,6 +411,7 @@ class SharedActivation:
         self._held = None  # (the input object, its quantized rows, takers left)
         self.weight = None  # native siblings: their weights concatenated, one GEMM up to DECODE_ROWS rows
         self._held_gemm = None
+        self.gemv = False  # one row through quantlab::fp8_gemv (use_fp8_gemv)
 
     def quantize(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """rows = x reshaped to [M, K]: its FP8 quantize, computed once for the siblings reading x."""
@@ -435,8 +440,11 @@ class SharedActivation:
         held = self._held_gemm
         if held is None or held[0] is not x:
             xq = fp8_quantize(rows, self.inv_scale)
-            acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
-                                   out_dtype=torch.float32)
+            if self.gemv and rows.shape[0] == 1:
+                acc = torch.ops.quantlab.fp8_gemv(xq, self.weight, self.one, self.one, torch.float32)
+            else:
+                acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                       out_dtype=torch.float32)
             held = (x, acc, self.siblings)
         left = held[2] - 1
         self._held_gemm = None if left == 0 else (held[0], held[1], left)
@@ -505,6 +513,7 @@ class Fp8GatedMLP(nn.Module):
         self.down = down
         self.fp32_gemm = self.native and _fp32_scaled_mm(str(weight.device))
         self.register_buffer("one", torch.ones((), device=weight.device))
+        self.gemv = False  # one row of gate|up through quantlab::fp8_gemv (use_fp8_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)) with the FP8 arithmetic of three Fp8Linear layers."""
@@ -513,8 +522,11 @@ class Fp8GatedMLP(nn.Module):
         rows = x2.shape[0]
         xq = fp8_quantize(x2, self.inv_input_scale)
         if self.native and self.fp32_gemm and rows <= DECODE_ROWS:
-            acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
-                                   out_dtype=torch.float32)
+            if self.gemv and rows == 1:
+                acc = torch.ops.quantlab.fp8_gemv(xq, self.weight, self.one, self.one, torch.float32)
+            else:
+                acc = torch._scaled_mm(_pad_rows(xq, 16), self.weight.t(), scale_a=self.one, scale_b=self.one,
+                                       out_dtype=torch.float32)
             hq = _run_fused("scale_silu_mul_quantize", _scale_silu_mul_quantize_eager, acc, self.row_scale,
                             self.down.inv_input_scale)
         else:
@@ -526,6 +538,8 @@ class Fp8GatedMLP(nn.Module):
             else:
                 y = ((xq.float() @ self.weight_f32.t()) * self.row_scale).to(x.dtype)
             hq = silu_mul_quantize(y, self.down.inv_input_scale)  # rows padded like y's on the native path
+        if self.down.gemv and rows == 1:
+            hq = hq[:1]  # the one real row (cuBLAS's GEMMs above write 16)
         out = self.down.gemm(hq, torch.bfloat16)[:rows]
         return out.to(x.dtype).reshape(*shape[:-1], self.down.out_features)
 
@@ -556,6 +570,34 @@ def fuse_shared_inputs(model: nn.Module, dtype: torch.dtype) -> int:
             setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8GatedMLP(gate, up, down))
             fused += 1
     return fused
+
+
+def use_fp8_gemv(model: nn.Module) -> int:
+    """Send one-row FP8 GEMMs to quantlab::fp8_gemv where it applies (kernels.fp8.applies: a configuration
+    measured faster than torch._scaled_mm for the shape, and the kernel checked on the layer's device; otherwise,
+    e.g. without Triton, torch._scaled_mm stays and the reason is logged once): native Fp8Linear layers, fused q|k|v
+    GEMMs (SharedActivation) and fused gate|up GEMMs (Fp8GatedMLP). Returns how many GEMMs it sent there."""
+    from quantlab.engines.kernels import fp8
+
+    count = 0
+    shared_done: set[int] = set()
+    for module in list(model.modules()):
+        if isinstance(module, Fp8Linear) and module.native:
+            module.gemv = fp8.applies(1, *module.weight.shape, module.weight.device)
+            shared = module.shared
+            if shared is not None and shared.weight is not None and id(shared) not in shared_done:
+                shared_done.add(id(shared))
+                shared.gemv = fp8.applies(1, *shared.weight.shape, shared.weight.device)
+                count += shared.gemv
+        elif isinstance(module, Fp8GatedMLP) and module.native and module.fp32_gemm:
+            module.gemv = fp8.applies(1, *module.weight.shape, module.weight.device)
+        else:
+            continue
+        if module.gemv:
+            count += 1
+            module.kernel += ("; one row: quantlab FP8 GEMV (triton)" if isinstance(module, Fp8Linear)
+                              else "; one row of gate|up: quantlab FP8 GEMV (triton)")
+    return count
 
 
 # ------------------------------------------------------------------------------- W4A16 sibling fusion

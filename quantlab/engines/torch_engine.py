@@ -29,6 +29,7 @@ from quantlab.engines.qlayers import (
     fp8_qdq,
     fuse_int4_siblings,
     fuse_shared_inputs,
+    use_fp8_gemv,
 )
 from quantlab.errors import QuantlabError
 
@@ -280,12 +281,13 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None
     shared = fuse_shared_inputs(model, dtype) if native else 0  # fuses FP8 siblings only
     shared += fuse_int4_siblings(model) if device.type == "cuda" else 0  # packed W4A16 (GPU layers only)
     placed = dispatch(model, dmap, device_map)
+    gemv = use_fp8_gemv(model) if native else 0  # one-row FP8 GEMMs: quantlab's kernel where measured faster
     kernels = sorted({type(m).__name__ + ": " + m.kernel for m in model.modules() if hasattr(m, "kernel")})
     plan = {"quant_algo": quant.quant_algo, "format": opened.format, "scheme": opened.scheme, "kv_cache": kv,
             "quantized_layers": len(replaced),
             "quantized_expert_projections": experts, "kernels": kernels,
             "formats": {a: sum(1 for v in replaced.values() if v == a) for a in sorted(set(replaced.values()))},
-            "shared_input_groups": shared, "devices": placed or [device.torch],
+            "shared_input_groups": shared, "fp8_gemv_gemms": gemv, "devices": placed or [device.torch],
             "group_size": quant.group_size, "dtype": str(dtype).removeprefix("torch.")}
     return model.eval(), plan
 
