@@ -1,7 +1,7 @@
 """Tokens to verdict, sequential vs fixed-n, and paired vs unpaired interval widths, on the default model.
 
-The sweep fp8 / int8_sq / int4_awq x kv none / fp8 on WikiText-2 test (512-token windows, the default cap eval.max_windows
-windows and looks of 8, default gate and calibration; articles as documents: eval.doc_separator), or with
+The sweep fp8 / int8_sq / int4_awq x kv none / fp8 on WikiText-2 test (512-token windows up to the default cap,
+eval.max_windows, looks of 8, default gate and calibration; articles as documents: eval.doc_separator), or with
 --data pydoc on the default evaluation text, each run exactly as `python -m quantlab` runs it.
 
 - Sequential: the windows each run used before every gate check was decided (metrics.json design.windows_used).
