@@ -107,21 +107,7 @@ def _k8_dequant(wv, j: tl.constexpr, s, FAST: tl.constexpr):
     contraction: v has 24-p <= 12 significant bits and S at most 11, so v * S is exact, and (u - 8) s (at most 15
     bits) is representable, so the subtraction is too. 4 shifts per word, then per weight one LOP3 and one FFMA.
     Otherwise (fp32 scales): q exactly as (u | 2^23 bits) - (2^23 + 8), times s rounded once, as the reference."""
-    if FAST:
-        P = 12 + 4 * ((0b10110010 >> j) & 1)  # constexpr: 16 for j in (1, 4, 5, 7), 12 otherwise
-        SHIFT = P - 4 * j
-        if SHIFT > 0:
-            ws = wv << SHIFT
-        elif SHIFT < 0:
-            ws = wv >> (-SHIFT)
-        else:
-            ws = wv
-        v = ((ws & (15 << P)) | 0x3F800000).to(tl.float32, bitcast=True)
-        big = s * (1 << (23 - P))
-        return v * big[:, None] - (big + 8.0 * s)[:, None]
-    u = (wv >> (4 * j)) & 15
-    q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    return q * s[:, None]
+    return _gemv_nibble(wv, j, s[:, None], FAST)
 
 
 @triton.jit
@@ -292,10 +278,10 @@ def _pair_asm(wv, sp, JP: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _gemv_nibble(wv, j: tl.constexpr, s, FAST: tl.constexpr):
-    """Nibble j of int32 words wv (any shape) -> (code - 8) * s exactly in fp32 (s fp32, broadcast against wv): the
-    arithmetic of _k8_dequant without its row broadcast."""
+    """Nibble j of int32 words wv (any shape) -> (code - 8) * s exactly in fp32 (s fp32, broadcast against wv); the
+    arithmetic is _k8_dequant's (its docstring)."""
     if FAST:
-        P = 12 + 4 * ((0b10110010 >> j) & 1)
+        P = 12 + 4 * ((0b10110010 >> j) & 1)  # constexpr: 16 for j in (1, 4, 5, 7), 12 otherwise
         SHIFT = P - 4 * j
         if SHIFT > 0:
             ws = wv << SHIFT

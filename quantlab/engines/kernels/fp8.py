@@ -191,17 +191,9 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
             for name, cfg in (configs or check_configs)(n, k, device):
                 row = {"rows": rows, "n": n, "k": k, "kernel": name, "dtype": str(dtype).removeprefix("torch."),
                        "unit_scales": unit, "worst": float("inf"), "ok": False}
-                try:
-                    y = launch(*case_args, dtype, cfg=cfg).cpu()
-                except Exception as exc:  # noqa: BLE001 - reported as a failed case
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    out.append(row)
-                    reset_counters()
-                    continue
-                ok_shape = y.dtype == dtype and tuple(y.shape) == (rows, n)
-                row["worst"] = float(((y.double() - exact).abs() / bnd).max()) if ok_shape else float("inf")
-                row["ok"] = ok_shape and row["worst"] <= 1.0
-                if device.startswith("cuda") and ok_shape and n % 16 == 0:
+                y = _SCRATCH.check_case(row, lambda a=case_args, c=cfg, d=dtype: launch(*a, d, cfg=c), exact, bnd,
+                                        (rows, n), dtype)
+                if device.startswith("cuda") and y is not None and n % 16 == 0:
                     ref = torch._scaled_mm(torch.nn.functional.pad(case_args[0], (0, 0, 0, (-rows) % 16)),
                                            case_args[1].t(), scale_a=case_args[2], scale_b=case_args[3],
                                            out_dtype=dtype)[:rows].cpu()

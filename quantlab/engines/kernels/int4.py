@@ -382,21 +382,15 @@ def _one_case(out: list, device: str, case: tuple, tensors: tuple, kernels: tupl
     for name, kind, config in kernels:
         row = {"rows": rows, "n": n, "k": k, "group": group, "pqs": has_pqs, "kernel": name,
                "dtype": str(dtype).removeprefix("torch."), "worst": float("inf"), "ok": False}
-        try:
+        def run(kind=kind, config=config):
+            nonlocal k8_args
             if kind == "export":
-                y = w4a16_launch(*args, group, gemv=config).cpu()
-            else:
-                if k8_args is None:
-                    k8_args = (args[0], *repack(args[1], args[2]), args[3])
-                y = k8_launch(*k8_args, group, config=config).cpu()
-        except Exception as exc:  # noqa: BLE001 - reported as a failed case
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            out.append(row)
-            reset_counters()
-            continue
-        ok_shape = y.dtype == dtype and tuple(y.shape) == (rows, n)
-        row["worst"] = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
-        row["ok"] = ok_shape and row["worst"] <= 1.0
+                return w4a16_launch(*args, group, gemv=config)
+            if k8_args is None:
+                k8_args = (args[0], *repack(args[1], args[2]), args[3])
+            return k8_launch(*k8_args, group, config=config)
+
+        _SCRATCH.check_case(row, run, exact, bound, (rows, n), dtype)
         out.append(row)
 
 

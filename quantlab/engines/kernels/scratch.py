@@ -30,6 +30,22 @@ class Scratch:
             if held["cnt"] is not None:
                 held["cnt"].zero_()
 
+    def check_case(self, row: dict, launch, exact, bound, shape: tuple, dtype):
+        """One case of a kernel's check against its exact arithmetic: launch() gives the output, row["worst"] is its
+        largest error over the bound (inf for a wrong shape or dtype) and row["ok"] whether that is at most 1; a
+        launch that raises is row["error"], with the counters re-armed (it may have stopped half way). Returns the
+        output on the CPU, or None when it failed or has the wrong shape."""
+        try:
+            y = launch().cpu()
+        except Exception as exc:  # noqa: BLE001 - reported as a failed case
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self.reset_counters()
+            return None
+        ok_shape = y.dtype == dtype and tuple(y.shape) == tuple(shape)
+        row["worst"] = float(((y.double() - exact).abs() / bound).max()) if ok_shape else float("inf")
+        row["ok"] = ok_shape and row["worst"] <= 1.0
+        return y if ok_shape else None
+
     def clear(self) -> None:
         """Drop every buffer (after a failed launch in a check, where no graph holds them)."""
         self.held.clear()
