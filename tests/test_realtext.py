@@ -250,6 +250,23 @@ def test_tail_threshold_validation_and_windows_needed():
         gate_checks.thresholds_for(cfg.gate, "fp8")
 
 
+def test_a_window_that_is_not_a_number_is_beyond_every_tail_bound():
+    """NaN or overflowing windows (a broken candidate's logits) count as beyond the bound: never as healthy."""
+    n, t = 64, 8
+    arrays = {k: np.zeros((n, t), dtype=np.float32) for k in ("kl", "nll_ref", "nll_cand", "dp_true", "dp_top")}
+    arrays.update(argmax_ref=np.zeros((n, t), dtype=np.int32), argmax_cand=np.zeros((n, t), dtype=np.int32))
+    arrays["kl"][3] = np.nan
+    arrays["nll_cand"][5] = np.float32(1e30)  # exp(dNLL) overflows
+    arrays["nll_cand"][7] = np.nan
+    w = Windows(arrays, np.zeros((n, t), dtype=np.int32), np.arange(n))
+    design = stats.make_design(n, 8, 0.05, 0.2)
+    found = gate_checks.evaluate_checks({"kl_tail": Threshold(max=0.05, above=0.5),
+                                         "ppl_tail": Threshold(max=0.05, above=1.21)}, w, None, design,
+                                        len(design.looks) - 1)
+    assert [c.verdict for c in found] == ["undecided", "undecided"]  # 1 and 2 of 64 beyond: not a pass
+    assert "1 of 64 windows beyond" in found[0].detail and "2 of 64 windows beyond" in found[1].detail
+
+
 def test_one_document_is_refused_and_few_documents_warned():
     design = stats.make_design(40, 8, 0.05, 0.2)
     with pytest.raises(QuantlabError, match="one document"):

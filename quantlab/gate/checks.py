@@ -267,8 +267,8 @@ def _test(name: str, bound: float, w: Windows, gen: dict | None, above: float | 
     spec = metrics.METRICS[name]
     hib = spec.higher_is_better
     if spec.tail_of is not None:  # share of windows beyond `above` < bound, tested on 0/1 outcomes
-        values = spec.tail_value(w.per_window(spec.tail_of))
-        return _Test((values > above).astype(np.float64), bound, False, binary=True, tail=values,
+        values = spec.tail_value(w.per_window(spec.tail_of))  # a window that is not a number is beyond any bound
+        return _Test((~(values <= above)).astype(np.float64), bound, False, binary=True, tail=values,
                      mde_unit=f"share of windows with {spec.tail_words} > {above:g}")
     if spec.quantile is not None:  # p-th percentile <= t  <=>  share of positions above t <= 1 - p
         q = spec.quantile

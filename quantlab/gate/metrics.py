@@ -50,7 +50,10 @@ class MetricSpec:
 
     def tail_value(self, per_window):
         """The per-window values a tail check compares with `above` (a ratio of perplexities: exp of mean dNLL)."""
-        return np.exp(per_window) if self.tail_ratio else per_window
+        if not self.tail_ratio:
+            return per_window
+        with np.errstate(over="ignore"):  # a broken window's ratio may overflow to inf: beyond every bound
+            return np.exp(per_window)
 
     def loss(self, value: float) -> float:
         """How far from ideal, in the metric's units, positive when worse (attribution adds these up)."""
