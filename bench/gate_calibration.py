@@ -2,25 +2,27 @@
 
 Each simulated gate is a paired evaluation of S windows laid out as a real evaluation text lays them out (the
 documents of the windows in the look order quantlab.stages.data stores: the default pydoc text, 61 windows of 512
-tokens from 10 topics; WikiText-2 test, the first 64 of 592 windows from 61 articles; or independent windows), with
-per-window values of the four default checks drawn jointly per document:
+tokens from 10 topics; WikiText-2 test, the first eval.max_windows (160) of 592 windows from 61 articles; or
+independent windows), with per-window values of the default checks (three means, three tails) drawn jointly per
+document:
 
     value = level + sd * (sqrt(icc) * U_document + sqrt(1 - icc) * E_window)
 
 U and E standardized gamma variables whose skewness makes the window values' skewness the row's (positive for KL and
 dNLL, negative for top-1 agreement), and optionally rare bad windows (a share p of windows, scattered or whole
-documents, whose loss - KL, dNLL, 1 - agreement - is m times the bulk's). For the type-I rows the checked metric's
-true mean (bad windows included) sits exactly on its threshold; for power it is better than the threshold by the
-MDE the gate reports at the cap. The other checks sit at healthy levels. The gate then runs as `python -m quantlab`
-runs it: at every look each check is decided by quantlab.gate.stats (interval with the documents as clusters,
-decide's rule; the tail check's exact binomial boundaries), evaluation stops once the gate's verdict is known
-(quantlab.gate.checks.settled: every check decided or one failed) and an undecided check at the cap fails. The
-decision loop is vectorized over simulated gates with the gate's own functions (stats.interval, stats.Clusters,
-stats.tail_boundaries); --verify runs quantlab.gate.checks.evaluate_checks / settled / finish on real Windows
-objects for the first simulated gates of every row and asserts the same verdicts, window for window.
+documents, whose loss - KL, dNLL, 1 - agreement - is m times the bulk's). For the type-I rows the checked metric's true
+mean (bad windows included) sits exactly on its threshold; for power it is better than the threshold by the MDE the gate
+reports at the cap. The other checks sit at healthy levels. Text-relative rows (--rows text) draw every window of the
+text's pool and put the text's own mean on the threshold instead. The gate then runs as `python -m quantlab` runs it: at
+every look each check is decided by quantlab.gate.stats (interval with the documents as clusters, decide's rule; the
+tail checks' exact binomial boundaries), evaluation stops once the gate's verdict is known
+(quantlab.gate.checks.settled: every check decided or one failed) and an undecided check at the cap fails. The decision
+loop is vectorized over simulated gates with the gate's own functions (stats.interval, stats.Clusters,
+stats.tail_boundaries); --verify runs quantlab.gate.checks.evaluate_checks / settled / finish on real Windows objects
+for the first simulated gates of every row and asserts the same verdicts, window for window.
 
-    python bench/gate_calibration.py --sims 4000 [--rows all|quick] [--verify 200] [--runs metrics.json ...]
-        [--out bench/results/DIR/gate_calibration.json]
+    python bench/gate_calibration.py --sims 4000 [--rows all|quick|bad|text|rare|table] [--verify 200]
+        [--runs metrics.json ...] [--out bench/results/DIR/gate_calibration.json]
 
 --runs measures the skewness and intra-document correlation of real runs' per-window values (metrics.json windows
 with their documents) and adds them as rows.
