@@ -17,17 +17,15 @@ keep torch._scaled_mm and the reason is logged.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
 import torch
 
-from quantlab.engines.kernels.int4 import available, interpreted
+from quantlab.engines.kernels.int4 import _sm_count, available, failed_rows, first_split, interpreted
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
-TARGET_WAVES = 4  # default split: programs per SM
 
 # (N, K) -> configuration, at one row. From bench/fp8_kernels.py on an H200 (the fastest exact configuration per
 # shape where it beat torch._scaled_mm: bench/results/h200-2026-12-02/fp8_kernels2.log); other shapes keep
@@ -47,13 +45,6 @@ def reset_counters() -> None:
     _SCRATCH.reset_counters()
 
 
-@functools.cache
-def _sm_count(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return 4
-
-
 def valid_splits(k: int, block_k: int) -> list[int]:
     """Split counts the kernel takes for K inputs: each split a whole number of BLOCK_K steps."""
     if k % block_k:
@@ -64,15 +55,15 @@ def valid_splits(k: int, block_k: int) -> list[int]:
 
 def default_config(n: int, k: int, device: str = "cuda", block_n: int = 32, block_k: int = 256,
                    num_warps: int = 4) -> dict | None:
-    """block_n rows x block_k inputs a step (halved while K does not take it), K split for TARGET_WAVES programs
-    per SM (the smallest valid split that gives them, else the largest); None where K is not a multiple of 16."""
+    """block_n rows x block_k inputs a step (halved while K does not take it), K split as int4.first_split chooses
+    (TARGET_WAVES programs per SM); None where K is not a multiple of 16."""
     while block_k > 16 and k % block_k:
         block_k //= 2
     splits = valid_splits(k, block_k)
     if not splits:
         return None
     tiles = -(-n // block_n)
-    split = next((s for s in splits if tiles * s >= TARGET_WAVES * _sm_count(device)), splits[-1])
+    split = first_split(splits, tiles, _sm_count(device))
     return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": num_warps}
 
 
@@ -218,12 +209,8 @@ def usable(device: str) -> bool:
         elif not device.startswith("cuda") and not interpreted():
             why = "not a CUDA device"
         else:
-            try:
-                dtypes = (torch.bfloat16, torch.float32) if device.startswith("cuda") else (torch.float16,
-                                                                                            torch.float32)
-                bad = [r for r in check(device, dtypes=dtypes, cases=SELF_CHECK_CASES) if not r["ok"]]
-            except Exception as exc:  # noqa: BLE001 - no kernel then, said once
-                bad = [{"error": f"{type(exc).__name__}: {exc}"}]
+            dtypes = (torch.bfloat16, torch.float32) if device.startswith("cuda") else (torch.float16, torch.float32)
+            bad = failed_rows(lambda: check(device, dtypes=dtypes, cases=SELF_CHECK_CASES))
             if bad:
                 why = f"the kernel failed its check ({bad[:2]})"
         if why is not None:

@@ -219,10 +219,15 @@ def valid_splits(k: int, bpi: int) -> list[int]:
     return [s for s in range(1, blocks + 1) if blocks % s == 0 and (blocks // s) % bpi == 0]
 
 
-def default_split(tiles: int, k: int, bpi: int, sms: int) -> int:
-    """The smallest valid split that gives TARGET_WAVES programs per SM (else the largest valid one)."""
-    splits = valid_splits(k, bpi)
+def first_split(splits: list[int], tiles: int, sms: int) -> int:
+    """The smallest of a kernel's valid splits (ascending) that gives `tiles` output tiles TARGET_WAVES programs per
+    SM, else the largest (the k8 kernels' and the FP8 GEMV's default)."""
     return next((s for s in splits if tiles * s >= TARGET_WAVES * sms), splits[-1])
+
+
+def default_split(tiles: int, k: int, bpi: int, sms: int) -> int:
+    """The k8 kernels' default split: first_split over valid_splits(k, bpi)."""
+    return first_split(valid_splits(k, bpi), tiles, sms)
 
 
 def k8_dot_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
@@ -426,6 +431,15 @@ SELF_CHECK_CASES = ((1, 96, 512, 128, True), (5, 64, 256, 64, False), (300, 64, 
 _USABLE: dict = {}
 
 
+def failed_rows(run) -> list[dict]:
+    """The rows of a kernel check (run()) that did not pass; a check that raises is one failed row saying why (the
+    startup checks of the k8 kernels and of the FP8 GEMV)."""
+    try:
+        return [r for r in run() if not r["ok"]]
+    except Exception as exc:  # noqa: BLE001 - the kernel is not used then, and the caller says why
+        return [{"error": f"{type(exc).__name__}: {exc}"}]
+
+
 def k8_usable(device: str, dtype: torch.dtype) -> bool:
     """Whether the k8 kernels compute exactly on this device and dtype: check() on a few small cases, once per
     process (False where Triton cannot run; the layers then keep the export layout and its kernels)."""
@@ -434,11 +448,7 @@ def k8_usable(device: str, dtype: torch.dtype) -> bool:
         if not available() or (not str(device).startswith("cuda") and not interpreted()):
             _USABLE[key] = False
         else:
-            try:
-                rows = check(str(device), dtypes=(dtype,), cases=SELF_CHECK_CASES, layouts=("k8",))
-                bad = [r for r in rows if not r["ok"]]
-            except Exception as exc:  # noqa: BLE001 - no k8 kernels then, said once
-                bad = [{"error": f"{type(exc).__name__}: {exc}"}]
+            bad = failed_rows(lambda: check(str(device), dtypes=(dtype,), cases=SELF_CHECK_CASES, layouts=("k8",)))
             if bad:
                 log.warning("int4: the k8 W4A16 kernels failed their check on %s (%s); using the export layout's "
                             "kernels", device, bad[:2])
