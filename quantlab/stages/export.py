@@ -53,10 +53,10 @@ def _weight_bits(out: Path) -> dict:
     """Bits per weight of the export's quantized layers (scales included), counted from its files as for any other
     tool's checkpoint (quantlab.formats.describe), so the sweep summary compares them on one scale."""
     from quantlab.formats import open_checkpoint
-    from quantlab.formats.describe import describe
+    from quantlab.formats.describe import linear_shapes
 
-    described = describe(open_checkpoint(out))
-    return {k: described[k] for k in ("bits_per_weight", "quantized_layers", "quantized_weights")}
+    opened = open_checkpoint(out)
+    return opened.weight_bits(linear_shapes(opened))
 
 
 def external(path: str, expect_algo: str, expect_kv: str | None) -> Artifact:
