@@ -126,12 +126,11 @@ def _check_tail(where: str, name: str, th: Threshold, spec) -> None:
                                 fix=f"drop {where}.{name}.above")
         return
     lo, hi = spec.tail_range
-    example = {"kl": "0.5", "dnll": "1.21", "disagree": "0.4"}.get(spec.tail_of, "0.5")
     if th.above is None or not math.isfinite(th.above) or not lo < th.above < hi:
         got = "is not set" if th.above is None else f"= {th.above:g} is outside ({lo:g}, {hi:g})"
         raise QuantlabError(f"{where}.{name} needs above, the per-window {spec.tail_words} beyond which a window "
                             f"counts as bad, strictly between {lo:g} and {hi:g}: {where}.{name}.above {got}",
-                            fix=f"set {where}.{name}.above, e.g. {example}")
+                            fix=f"set {where}.{name}.above, e.g. {spec.tail_example:g}")
     if th.max is None or not 0 < th.max < 1 or th.min is not None or th.bucket is not None:
         raise QuantlabError(f"{where}.{name} bounds the share of windows beyond {th.above:g}: it takes max (strictly "
                             "between 0 and 1) and above, no min or bucket", fix=f"set {where}.{name}.max, e.g. 0.05")

@@ -47,6 +47,7 @@ class MetricSpec:
     tail_words: str = ""  # tail checks: what `above` bounds, in words ("mean KL", "ppl ratio", ...)
     tail_ratio: bool = False  # tail checks: `above` is a per-window ratio of perplexities, exp(mean dNLL)
     tail_range: tuple[float, float] = (0.0, math.inf)  # tail checks: `above` strictly inside this range
+    tail_example: float = 0.5  # tail checks: the `above` an error message suggests (the default gate's)
 
     def tail_value(self, per_window):
         """The per-window values a tail check compares with `above` (a ratio of perplexities: exp of mean dNLL)."""
@@ -91,11 +92,11 @@ for _name, _spec in {
                                   "threshold's `above` bound (a tail check: a candidate whose perplexity is fine on "
                                   "average and broken on a few percent of the text fails it)", 0.0, in_table=False,
                            range=_P, unit="share of windows", tail_of="dnll", tail_words="ppl ratio",
-                           tail_ratio=True, tail_range=(1.0, math.inf)),
+                           tail_ratio=True, tail_range=(1.0, math.inf), tail_example=1.21),
     "top1_tail": MetricSpec(False, "share of windows whose top-1 disagreement (1 - top-1 agreement) exceeds the "
                                    "threshold's `above` bound (a tail check)", 0.0, in_table=False, range=_P,
                             unit="share of windows", tail_of="disagree", tail_words="top-1 disagreement",
-                            tail_range=(0.0, 1.0)),
+                            tail_range=(0.0, 1.0), tail_example=0.4),
     "dp_true_mean": MetricSpec(True, "mean over positions of p_cand(correct token) - p_ref(correct token) "
                                      "(llama.cpp's mean delta-p)", 0.0, in_table=False, range=(-1.0, 1.0)),
     "dp_true_rms": MetricSpec(False, "root mean square of the same delta-p", 0.0, gateable=False, in_table=False,
