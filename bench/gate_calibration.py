@@ -263,6 +263,17 @@ def gate_real(values: dict, ids: np.ndarray, design, sims: int) -> dict:
     return {"final": out, "used": used}
 
 
+def verified(values: dict, ids: np.ndarray, design, res: dict, gates: int, what: str) -> dict:
+    """The first `gates` simulated gates again through quantlab.gate.checks (gate_real): every check's verdict and
+    the windows used must equal the vectorized gate's (exit naming `what` when they do not)."""
+    real = gate_real(values, ids, design, gates)
+    same = all(np.array_equal(real["final"][k], res["final"][k][:gates]) for k in real["final"]) and \
+        np.array_equal(real["used"], res["used"][:gates])
+    if not same:
+        raise SystemExit(f"vectorized and real gate differ: {what}")
+    return {"gates": gates, "identical": True}
+
+
 # ------------------------------------------------------------------------------------------------ rows
 def simulate(rng, row: Row, ids, sims: int, target: str | None, shift: float = 0.0, tail=None, pool=None):
     """Per-window values of every check for one row: `target` at its threshold (+ shift toward the good side), the
@@ -374,12 +385,7 @@ def run_row(rng, row: Row, layouts, sims: int, verify: int, alpha: float, beta: 
                  "pass_rate": p, "ci95": [lo, hi], "mde": mde, "mean_windows": float(res["used"].mean()),
                  "gate_pass_rate": float(res["gate_pass"].mean())}
         if verify and not any(k.startswith("tail:") for k in values):  # the real gate's tails read the windows
-            real = gate_real(values, ids, design, verify)
-            same = all(np.array_equal(real["final"][k], res["final"][k][:verify]) for k in real["final"]) and \
-                np.array_equal(real["used"], res["used"][:verify])
-            entry["verified"] = {"gates": verify, "identical": bool(same)}
-            if not same:
-                raise SystemExit(f"vectorized and real gate differ: {row.label} {name} {what}")
+            entry["verified"] = verified(values, ids, design, res, verify, f"{row.label} {name} {what}")
         out.append(entry)
     return out
 
@@ -412,11 +418,7 @@ def rare_bad_rows(rng, layouts, sims: int, alpha: float, beta: float, verify: in
                         "kl_tail_fail": float((res["final"]["kl_tail"] != 1).mean()),
                         "tail_fail": float(np.any([res["final"][t] != 1 for t in TAILS], axis=0).mean())})
             if verify:
-                real = gate_real(values, ids, design, verify)
-                same = all(np.array_equal(real["final"][k], res["final"][k][:verify]) for k in real["final"])
-                out[-1]["verified"] = {"gates": verify, "identical": bool(same)}
-                if not same:
-                    raise SystemExit(f"vectorized and real gate differ: rare bad {lay} {share} {factor}")
+                out[-1]["verified"] = verified(values, ids, design, res, verify, f"rare bad {lay} {share} {factor}")
     return out
 
 
