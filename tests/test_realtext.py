@@ -230,8 +230,9 @@ def test_tail_boundaries_exact():
 
 def test_tail_threshold_validation_and_windows_needed():
     cfg = compose(["+precision=fp8", "eval.max_windows=32"])[0]
-    with pytest.raises(QuantlabError, match="takes 59 windows"):
+    with pytest.raises(QuantlabError, match="takes 59 windows") as caught:
         gate_checks.check_gate(cfg.gate, "fp8", cfg.eval)
+    assert "kl_tail, ppl_tail, top1_tail can never pass" in str(caught.value)  # every blocked tail, not the first
     for name, bad, match in (("kl_tail", {"max": 0.05}, "needs above"),
                              ("kl_tail", {"max": 1.5, "above": 0.5}, "outside kl_tail's range"),
                              ("kl_tail", {"min": 0.01, "max": 0.05, "above": 0.5}, "no min"),

@@ -210,8 +210,9 @@ def check_gate(cfg: GateConfig, precision: str, eval_cfg=None) -> None:
 
 
 def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: str) -> None:
-    """A tail check that no count can pass at any look of the design could only fail: exit 2 with the windows it
-    needs (about 3 / max with none beyond the bound, more with alpha spent over looks)."""
+    """Tail checks that no count can pass at any look of the design could only fail: exit 2 naming every one of them
+    with the windows it needs (about 3 / max with none beyond the bound, more with alpha spent over looks)."""
+    blocked = []
     for name, th in thresholds.items():
         if metrics.METRICS[name].tail_of is None or th.max is None:
             continue
@@ -220,11 +221,17 @@ def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: st
         need = next((n for n in range(design.cap, 100_000) if stats.tail_boundaries(
             stats.make_design(n, design.looks[0], design.alpha, design.beta, len(design.looks) > 1, design.kind,
                               design.gamma).looks, th.max, design.alpha, design.kind, design.gamma)[-1] >= 0), None)
-        raise QuantlabError(f"gate {name} <= {th.max:g} can never pass with {design.cap} windows ({what}): showing "
-                            f"that fewer than {th.max:.0%} of windows are beyond {th.above:g} takes {need} windows "
-                            "with none beyond it",
-                            fix=f"raise eval.max_windows to {need} or more (with that much eval text), raise "
-                                f"gate.thresholds.{name}.max, or drop the {name} threshold")
+        blocked.append((name, th, need))
+    if not blocked:
+        return
+    names = ", ".join(name for name, _, _ in blocked)
+    reasons = "; ".join(f"{name}: showing that fewer than {th.max:.0%} of windows are beyond {th.above:g} takes "
+                        f"{need} windows with none beyond it" for name, th, need in blocked)
+    need = max(n for _, _, n in blocked if n is not None) if any(n is not None for _, _, n in blocked) else None
+    raise QuantlabError(f"gate {names} can never pass with {design.cap} windows ({what}): {reasons}",
+                        fix=f"raise eval.max_windows to {need} or more (with that much eval text), raise the max of "
+                            f"{names}, or drop {'them' if len(blocked) > 1 else 'it'} (gate.thresholds and "
+                            "gate.per_precision entries)")
 
 
 def with_tails(design: stats.Design, thresholds: dict[str, Threshold]) -> stats.Design:
