@@ -247,6 +247,7 @@ def check_int4() -> dict:
             f"{r['dtype']:8s} worst/bound={r['worst']:.3f} {'ok' if r['ok'] else 'BAD'}"
             + (f" error={r['error']}" if "error" in r else ""))
     usable = {str(d): int4.k8_usable("cuda", d) for d in (torch.bfloat16, torch.float16)}
+    usable.update({f"tensor-core {d}": int4.mma_usable("cuda", d) for d in (torch.bfloat16, torch.float16)})
     say(f"  k8 kernels usable (startup check): {usable}")
     return {"ok": not bad, "k8_usable": usable, "cases": rows}
 

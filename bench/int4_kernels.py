@@ -27,6 +27,9 @@ def candidates(m: int, n: int, k: int, quick: bool) -> list[dict]:
     """The k8 configurations timed for M rows: the defaults, the one-row kernel over tile shapes (one row), and the
     tensor-core sweep's candidates."""
     out = [{"name": "dot_default", **int4.k8_dot_config(m, n, k)}]
+    if m <= int4.MMA_ROWS and torch.cuda.is_available() and int4.mma_usable("cuda", torch.bfloat16):
+        out += [{"name": f"mma_w{w}_u{u}_t{r}", **int4.mma_config(n, k, w, u, r)} for w, u, r in int4.MMA_SHAPES
+                if n % (16 * r) == 0]
     if m == 1:
         shapes = [(64, 2, 4), (128, 1, 4), (64, 1, 4), (128, 2, 4), (256, 1, 4), (64, 1, 2), (32, 2, 2)]
         if quick:
@@ -52,7 +55,7 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "shapes": {}}
     cases = ((1, 4096, 4096, 128, True), (1, 28672, 4096, 128, False), (1, 4096, 14336, 128, True),
              (1, 6144, 4096, 64, True), (1, 1024, 4096, 32, False), (16, 6144, 4096, 128, True))
-    rows = int4.check("cuda", dtypes=(torch.bfloat16, torch.float16), cases=cases, layouts=("k8",))
+    rows = int4.check("cuda", dtypes=(torch.bfloat16, torch.float16), cases=cases, layouts=("k8", "mma"))
     for r in rows:
         print(f"check {r['kernel']:14s} M={r['rows']:3d} N={r['n']:5d} K={r['k']:5d} g={r['group']:3d} "
               f"{r['dtype']:8s} worst/bound={r['worst']:.3f} {'ok' if r['ok'] else 'BAD'} {r.get('error', '')}",

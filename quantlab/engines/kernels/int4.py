@@ -5,7 +5,9 @@ pre_quant_scale rounded to the compute dtype, each weight q * scale computed exa
 compute dtype, products accumulated in fp32, the output rounded to the compute dtype. Only the order of the fp32
 accumulation differs from a dequantize-then-GEMM.
 
-Two layouts, two kernel families:
+Two layouts, two kernel families (and, for the k8 layout at up to 8 rows on CUDA devices, a CUDA C++ kernel on
+tensor cores compiled at run time by NVRTC: see "k8 on tensor cores" below and _int4_cuda; decode at batch 1 takes
+it where it compiles and passes its check, else the Triton one-row kernel):
 - k8 (what the engine runs): `repack` rewrites the export's codes once at load into int32 [N, K/8], 8 codes of one
   output row per word along K (offset binary; within each block of 128 inputs, nibble j of word i is input
   128b + 16j + i), and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, for
@@ -195,13 +197,14 @@ def m_bucket(m: int) -> int:
 
 
 # (row class, N, K) -> configuration; bench/decode.py --check's sweep fills it for the run and prints it to commit.
-# One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the sweep's table from the H200 run of
-# bench/results/h200-2026-12-02/decode_run1.log (the configuration of its int4_awq timings).
+# One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the tensor-core kernel, the sweep's table from the
+# H200 run of bench/results/h200-2026-12-02/mma3_decode.log (where that kernel cannot run, k8_launch takes the
+# one-row Triton kernel's default instead).
 CONFIGS: dict[tuple[int, int, int], dict] = {
-    (1, 4096, 4096): {"gemv": True, "block_n": 64, "bpi": 1, "split_k": 8, "num_warps": 4},
-    (1, 4096, 14336): {"gemv": True, "block_n": 128, "bpi": 1, "split_k": 56, "num_warps": 4},
-    (1, 6144, 4096): {"gemv": True, "block_n": 64, "bpi": 1, "split_k": 8, "num_warps": 4},
-    (1, 28672, 4096): {"gemv": True, "block_n": 64, "bpi": 2, "split_k": 4, "num_warps": 4},
+    (1, 4096, 4096): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
+    (1, 4096, 14336): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
+    (1, 6144, 4096): {"mma": True, "warps": 8, "unroll": 2, "tiles": 1},
+    (1, 28672, 4096): {"mma": True, "warps": 8, "unroll": 1, "tiles": 1},
 }
 
 
@@ -254,8 +257,8 @@ def k8_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
     """The configuration of the k8 kernels for M rows of an [N, K] layer: the sweep's (CONFIGS), else the default:
     one row the FMA kernel (k8_gemv_config), more rows the tensor-core split-K kernel (k8_dot_config)."""
     cfg = CONFIGS.get((m_bucket(m), n, k))
-    if cfg is not None and cfg["split_k"] in valid_splits(k, cfg["bpi"]):
-        return cfg
+    if cfg is not None and (cfg.get("mma") or cfg["split_k"] in valid_splits(k, cfg["bpi"])):
+        return cfg  # a tensor-core entry where that kernel cannot run is replaced in k8_launch
     return k8_gemv_config(n, k, device) if m == 1 else k8_dot_config(m, n, k, device)
 
 
@@ -295,7 +298,15 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     if (config or {}).get("dense") or (config is None and m >= DENSE_ROWS):
         return _k8_dense(x, qweight, scales_t, pqs, group)
     cfg = config or k8_config(m, n, k, str(x.device))
+    if config is None and (cfg.get("mma") or m == 1) and m <= MMA_ROWS:
+        ready = mma_ready(x, n, k, group)
+        if cfg.get("mma") and not ready:
+            cfg = k8_gemv_config(n, k, str(x.device)) if m == 1 else k8_dot_config(m, n, k, str(x.device))
+        elif ready and not cfg.get("mma"):
+            cfg = mma_config(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if cfg.get("mma"):
+        return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y)
     if cfg.get("gemv") and m == 1:
         return _k8_gemv(x, qweight, scales_t, pqs, group, cfg, y)
     dot, split = cfg["dot"], cfg["split_k"]
@@ -333,6 +344,94 @@ def _k8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs
                                 FAST=x.dtype in (torch.bfloat16, torch.float16),
                                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     return y
+
+
+# ------------------------------------------------------------------------------------------------ k8 on tensor cores
+# Up to MMA_ROWS rows (decode), bf16 / fp16 on CUDA devices of compute capability 8.0 or later: the CUDA C++ kernel
+# of _int4_cuda (register-fed mma.sync, ~2.6 instructions per weight against the one-row FMA kernel's ~5.5),
+# compiled once per device and configuration by NVRTC (cuda_rtc) and checked against float64 before first use
+# (mma_usable). Where NVRTC is missing or the check fails, the Triton kernels above run (the reason is logged).
+MMA_ROWS = 8
+# (warps, blocks loaded ahead, row tiles a warp) the sweep times: at most 16 tiles x blocks a CTA (more spill)
+MMA_SHAPES = tuple((w, u, r) for w in (4, 8, 16) for u in (1, 2, 4) for r in (1, 2) if w * u * r <= 16)
+_MMA_MODULES: dict = {}
+_MMA_USABLE: dict = {}
+
+
+def mma_config(n: int, k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1) -> dict:
+    """The tensor-core kernel's configuration for an [N, K] layer: a CTA of `warps` warps on 16 output rows, the
+    warps splitting K (default: the sweep's (CONFIGS), else about 4 blocks of 128 inputs a warp, 4 to 16 warps),
+    `unroll` blocks of loads issued before their arithmetic, `tiles` row tiles of 16 a warp (x's fragments shared)."""
+    cfg = CONFIGS.get((1, n, k))
+    if warps is None and cfg is not None and cfg.get("mma"):
+        return cfg
+    if warps is None:
+        warps = _pow2_at_most(max(4, k // 128 // 4), 16)
+    return {"mma": True, "warps": warps, "unroll": unroll, "tiles": tiles}
+
+
+def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    """Shapes and dtypes the tensor-core kernel takes: up to MMA_ROWS rows, N a multiple of 16, the k8 layout, a
+    16-bit compute dtype."""
+    return m <= MMA_ROWS and n % 16 == 0 and k8_supported(k, group) and dtype in (torch.bfloat16, torch.float16)
+
+
+def mma_ready(x: torch.Tensor, n: int, k: int, group: int) -> bool:
+    """Whether x's rows go to the tensor-core kernel: the shape applies, x is on a CUDA device of capability 8.0 or
+    later (not Triton's interpreter), and the kernel passed its check there."""
+    return (mma_applies(x.shape[0], n, k, group, x.dtype) and x.is_cuda and not interpreted()
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and mma_usable(str(x.device), x.dtype))
+
+
+def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype):
+    """(module, name) of the configuration's instantiation on this device, compiled on first use."""
+    from quantlab.engines.kernels import _int4_cuda, cuda_rtc
+
+    gs = group if group < 128 else 0
+    name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), gs, dtype == torch.bfloat16)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, name)
+    if key not in _MMA_MODULES:
+        major, minor = torch.cuda.get_device_capability(index)
+        with torch.cuda.device(index):
+            torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
+            _MMA_MODULES[key] = cuda_rtc.Module(*cuda_rtc.compile_kernels(_int4_cuda.SOURCE, [name],
+                                                                             f"{major}{minor}"))
+    return _MMA_MODULES[key], name
+
+
+def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
+            cfg: dict, y: torch.Tensor) -> torch.Tensor:
+    """Up to MMA_ROWS rows on tensor cores into y [M, N] (x times pre_quant_scale rounded to x's dtype first, as
+    the reference)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    rows = 16 * cfg.get("tiles", 1)
+    if m > MMA_ROWS or n % rows:
+        raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows and N a multiple of {rows}, "
+                         f"got M={m}, N={n}")
+    if pqs is not None:
+        x = x * pqs
+    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+        x = x.contiguous().clone()
+    module, name = _mma_kernel(x.device, cfg, group, x.dtype)
+    with torch.cuda.device(x.device):
+        module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
+                      [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group])
+    return y
+
+
+def mma_usable(device: str, dtype: torch.dtype) -> bool:
+    """Whether the tensor-core kernel compiles and computes exactly on this device and dtype (check() on
+    MMA_CHECK_CASES, once per process; False with the reason logged otherwise)."""
+    key = (str(device), dtype)
+    if key not in _MMA_USABLE:
+        bad = failed_rows(lambda: check(str(device), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",)))
+        if bad:
+            log.warning("int4: the tensor-core W4A16 kernel is not used on %s %s (%s); the Triton kernels run",
+                        device, dtype, bad[:2])
+        _MMA_USABLE[key] = not bad
+    return _MMA_USABLE[key]
 
 
 @torch.library.custom_op("quantlab::w4a16_k8", mutates_args=())
@@ -400,15 +499,16 @@ def _one_case(out: list, device: str, case: tuple, tensors: tuple, kernels: tupl
 
 
 def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0,
-          layouts: tuple = ("export", "k8")) -> list[dict]:
+          layouts: tuple = ("export", "k8", "mma")) -> list[dict]:
     """Every kernel against the exact arithmetic it implements, case by case (rows, N, K, group, with
     pre_quant_scale): the input times pre_quant_scale rounded to the compute dtype, weights q * scale rounded once,
     exact products accumulated in fp32 in any order, the output rounded once. `worst` is the largest error over
     its bound (fp32 accumulation of |x||w| plus half an ulp of the output): at most 1 passes (inf: the launch
     failed, `error` says why). A wrong code, scale or group is off by the size of the products, orders of
     magnitude above the bound. Kernels: the export layout's GEMV and GEMM; the k8 paths of k8_variants (cases whose
-    K or group the k8 layout does not take are skipped there). Used by the tests (Triton's CPU interpreter), by
-    k8_usable, and by bench/decode.py --check (on the GPU, at the model's shapes)."""
+    K or group the k8 layout does not take are skipped there); on a CUDA device the tensor-core kernel's
+    MMA_VARIANTS (16-bit dtypes, up to MMA_ROWS rows, N a multiple of 16). Used by the tests (Triton's CPU
+    interpreter), by k8_usable and mma_usable, and by bench/decode.py --check (on the GPU, at the model's shapes)."""
     out = []
     g = torch.Generator().manual_seed(seed)
     for case in cases:
@@ -423,11 +523,19 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
                 kernels += [("gemv", "export", True), ("gemm", "export", False)]
             if "k8" in layouts and k8_supported(k, group):
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
+            if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
+                kernels += [(name, "k8", cfg) for name, cfg in MMA_VARIANTS if n % (16 * cfg["tiles"]) == 0]
             _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
     return out
 
 
 SELF_CHECK_CASES = ((1, 96, 512, 128, True), (5, 64, 256, 64, False), (300, 64, 256, 128, True))
+# the tensor-core kernel: groups 16 to 256, rows 1 to 8, warps with no block of K (3 blocks for 4 warps)
+MMA_CHECK_CASES = ((1, 96, 512, 128, True), (1, 32, 2048, 256, False), (8, 64, 384, 64, True), (1, 48, 256, 32, False),
+                   (3, 32, 256, 16, True))
+MMA_VARIANTS = (("k8_mma_w4u2", {"mma": True, "warps": 4, "unroll": 2, "tiles": 1}),
+                ("k8_mma_w8u1", {"mma": True, "warps": 8, "unroll": 1, "tiles": 1}),
+                ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}))
 _USABLE: dict = {}
 
 
@@ -463,6 +571,8 @@ def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
     sms = _sm_count("cuda") if torch.cuda.is_available() else 132
     if m == 1:  # the one-row kernel over tile shapes, each at its default split and the two next to it
         out = []
+        if torch.cuda.is_available() and mma_usable("cuda", torch.bfloat16):  # the tensor-core kernel first
+            out += [mma_config(n, k, w, u, r) for w, u, r in MMA_SHAPES if n % (16 * r) == 0]
         for block_n, bpi, warps in ((64, 2, 4), (128, 1, 4), (64, 1, 4), (256, 1, 4)):
             base = k8_gemv_config(n, k, "cuda" if torch.cuda.is_available() else "cpu", block_n, bpi, warps)
             splits = valid_splits(k, base["bpi"])
