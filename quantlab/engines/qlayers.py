@@ -353,7 +353,7 @@ class Int4AwqLinear(QuantLinear):
             return False
         self.weight_packed, self.weight_scale = int4.repack(self.weight_packed, self.weight_scale)
         self.layout = "k8"
-        self.kernel = "triton int4 split-K GEMV/GEMM (W4A16, weights kept packed: k8 layout)"
+        self.kernel = int4.k8_kernels(str(self.weight_packed.device), self.weight_scale.dtype)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -657,8 +657,6 @@ class Int4GatedMLP(nn.Module):
     values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
     modeling code computes them, then down."""
 
-    kernel = "triton int4 GEMM (W4A16, packed): gate|up one GEMM, down"
-
     @property
     def layout(self) -> str:
         """k8 (int32 codes) or export (uint8 codes)."""
@@ -672,6 +670,7 @@ class Int4GatedMLP(nn.Module):
         self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
         self.block, self.inter = gate.block, gate.out_features
         self.down, self.act_fn = down, act_fn
+        self.kernel = f"{gate.kernel}: gate|up one GEMM, down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate(x)) * up(x)), gate|up one packed GEMM."""

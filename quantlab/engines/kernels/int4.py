@@ -383,6 +383,16 @@ def mma_ready(x: torch.Tensor, n: int, k: int, group: int) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 0) and mma_usable(str(x.device), x.dtype))
 
 
+def k8_kernels(device: str, dtype: torch.dtype) -> str:
+    """What multiplies a k8-layout layer on this device and dtype, in words (the engine's kernel description)."""
+    dev = torch.device(device)
+    few = ("CUDA tensor-core kernel (NVRTC) up to 8 rows"
+           if (dev.type == "cuda" and not interpreted() and dtype in (torch.bfloat16, torch.float16)
+               and torch.cuda.get_device_capability(dev) >= (8, 0) and mma_usable(device, dtype))
+           else "triton one-row GEMV")
+    return f"W4A16, weights kept packed (k8 layout): {few}, triton split-K GEMM for more rows"
+
+
 def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype):
     """(module, name) of the configuration's instantiation on this device, compiled on first use."""
     from quantlab.engines.kernels import _int4_cuda, cuda_rtc
