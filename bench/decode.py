@@ -291,7 +291,7 @@ def time_attention(batch: int = 1, length: int = 546, layers: int = 32) -> dict:
     out = {}
     for name, fn in (("triton_us", kernel), ("grouped_sdpa_us", sdpa)):
         out[name] = graph_us(fn) / layers
-    out["splits"] = attention.plan(batch, hkv, length, "cuda")[1]
+    out["splits"] = attention.plan(batch, hkv, length, "cuda", attention.block_l(d))[1]
     kv_bytes = 2 * batch * hkv * length * d * 2
     say(f"  decode attention at B={batch}, {length} positions: triton {out['triton_us']:.1f} us/layer "
         f"({kv_bytes / out['triton_us'] / 1e3:.0f} GB/s), grouped sdpa {out['grouped_sdpa_us']:.1f} us/layer; "

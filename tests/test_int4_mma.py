@@ -3,6 +3,8 @@ engine targets without spilling registers, its fragment mapping multiplies the k
 never picks it where it cannot run. Its numbers are checked on a GPU (int4.mma_usable, bench/decode.py --check)."""
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -40,35 +42,89 @@ def test_compile_error_is_reported_with_the_compiler_log():
         cuda_rtc.compile_kernels("__global__ void k() { undefined_thing(); }", ["k"], "90")
 
 
+def _f(bits: int) -> float:
+    """A bf16 bit pattern -> its value."""
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _bits(value: float) -> int:
+    """A value -> its bf16 bit pattern, rounded to nearest even once (torch's conversion from float64)."""
+    return int(torch.tensor([value], dtype=torch.float64).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+def _dq_pair(t: int, sp: int) -> int:
+    """dq_pair<true> of _int4_cuda.SOURCE on Python ints: LOP3 (t & 0x000F000F) | 0x43004300, times 1 minus 136
+    (bf16x2 FMA), times the scale pair plus -0 (one RN rounding) -> the packed bf16 pair."""
+    v = (t & 0x000F000F) | 0x43004300
+    halves = []
+    for shift in (0, 16):
+        u = _f(v >> shift)
+        q = _f(_bits(u * 1.0 - 136.0))
+        halves.append(_bits(q * _f(sp >> shift)))
+    return halves[0] | (halves[1] << 16)
+
+
+def _pair_of(p: tuple[int, int], q: tuple[int, int], e: int) -> int:
+    """pair_of of the source: word e // 2 of two uint2 values, __byte_perm with 0x5410 (low halves) or 0x7632."""
+    a, b = p[e // 2], q[e // 2]
+    return ((a >> 16) | (b & 0xFFFF0000)) if e & 1 else ((a & 0xFFFF) | ((b & 0xFFFF) << 16))
+
+
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
-    """The kernel's data flow in torch, index for index as _int4_cuda.SOURCE reads it: per warp 16 rows, per block
-    of 128 inputs thread (g, t) takes words 4t..4t+3 of rows g and g + 8; mma (e, h) has in k slots (2t, 2t+1) the
-    pair (2h, 2h+4) of word 4t+e and in (2t+8, 2t+9) the pair (2h+1, 2h+5); B the x values of the same inputs.
-    Each mma is a [16, 16] x [16, M] product accumulated in float64 here (the kernel: fp32 on tensor cores)."""
+    """The kernel (one warp a row tile, UNROLL 1) on bit patterns, expression for expression as _int4_cuda.SOURCE
+    writes them: the 128-bit word loads, the scale pairs, the uint2 x loads, dq_pair, pair_of, the mma fragments
+    (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64."""
     m, k = x.shape
     n = qweight.shape[0]
-    w = int4.k8_dequantized(qweight, scales_t, group).double()  # [N, K]: the values the kernel dequantizes
+    words = [[int(v) & 0xFFFFFFFF for v in row] for row in qweight.tolist()]
+    xb = [[int(v) & 0xFFFF for v in row] for row in x.view(torch.int16).tolist()]
+    sb = [[int(v) & 0xFFFF for v in row] for row in scales_t.view(torch.int16).tolist()]
+    per = 128 // group if group < 128 else 1
+    ns = per // 2 if group < 128 else 1
     out = torch.zeros(m, n, dtype=torch.float64)
     for n0 in range(0, n, 16):
         for b in range(k // 128):
+            frag = {}  # (g, t) -> words of rows g / g + 8, x pairs, scale pairs
+            for g in range(8):
+                xr = xb[min(g, m - 1)]
+                for t in range(4):
+                    rows = (n0 + g, n0 + g + 8)
+                    wv = [[words[r][16 * b + 4 * t + e] for e in range(4)] for r in rows]
+                    xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
+                           xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16))
+                          for j in range(8)]
+                    sv = []
+                    for r in rows:
+                        pairs = []
+                        for q in range(ns):
+                            lo = per * b + q if group < 128 else (128 * b) // group
+                            hi = lo + per // 2 if group < 128 else lo
+                            pairs.append(sb[lo][r] | (sb[hi][r] << 16))
+                        sv.append(pairs)
+                    frag[g, t] = (wv, xv, sv)
             for e in range(4):
                 for h in range(2):
+                    j0, j1 = 2 * h, 2 * h + 1
+                    q0, q1 = j0 * ns // 4, j1 * ns // 4
                     a = torch.zeros(16, 16, dtype=torch.float64)
-                    bm = torch.zeros(16, m, dtype=torch.float64)
-                    for row in range(16):
-                        for t in range(4):
-                            word = 4 * t + e
-                            nibbles = (2 * h, 2 * h + 4, 2 * h + 1, 2 * h + 5)  # slots 2t, 2t+1, 2t+8, 2t+9
-                            for slot, j in zip((2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9), nibbles, strict=True):
-                                kk = 128 * b + 16 * j + word
-                                a[row, slot] = w[n0 + row, kk]
-                                bm[slot] = x[:, kk].double()
-                    out[:, n0: n0 + 16] += (a @ bm).t()
+                    bm = torch.zeros(16, 8, dtype=torch.float64)
+                    for (g, t), (wv, xv, sv) in frag.items():
+                        regs = {0: _dq_pair(wv[0][e] >> (4 * j0), sv[0][q0]),  # a0: row g, nibbles j0 / j0+4
+                                1: _dq_pair(wv[1][e] >> (4 * j0), sv[1][q0]),  # a1: row g + 8
+                                2: _dq_pair(wv[0][e] >> (4 * j1), sv[0][q1]),  # a2: row g, slots 2t+8, 2t+9
+                                3: _dq_pair(wv[1][e] >> (4 * j1), sv[1][q1])}
+                        for reg, word in regs.items():
+                            row, col = g + 8 * (reg & 1), 2 * t + 8 * (reg >> 1)
+                            a[row, col], a[row, col + 1] = _f(word), _f(word >> 16)
+                        b01 = (_pair_of(xv[j0], xv[j0 + 4], e), _pair_of(xv[j1], xv[j1 + 4], e))
+                        for reg, word in enumerate(b01):
+                            bm[2 * t + 8 * reg, g], bm[2 * t + 8 * reg + 1, g] = _f(word), _f(word >> 16)
+                    out[:, n0: n0 + 16] += (a @ bm)[:, :m].t()
     return out
 
 
-@pytest.mark.parametrize("group", [32, 128])
-def test_fragment_mapping_multiplies_the_k8_layout(group):
+@pytest.mark.parametrize("group", [16, 64, 256])
+def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group):
     g = torch.Generator().manual_seed(3)
     n, k, m = 32, 256, 3
     packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
@@ -90,9 +146,25 @@ def test_engine_does_not_pick_it_where_it_cannot_run():
     assert not int4.mma_applies(1, 40, 256, 64, torch.bfloat16)  # N not in tiles of 16
     assert not int4.mma_applies(1, 64, 256, 64, torch.float32)
     assert not int4.mma_ready(x, 64, 256, 64)  # a CPU tensor
-    assert all(not c.get("mma") for c in int4.sweep_candidates(1, 64, 256)) or torch.cuda.is_available()
     cfg = int4.mma_config(4096, 14336)
     assert cfg["mma"] and 4 <= cfg["warps"] <= 16 and (cfg["warps"], cfg["unroll"], cfg["tiles"]) in int4.MMA_SHAPES
     with pytest.raises(ValueError, match="up to 8 rows"):
         int4._k8_mma(torch.zeros(9, 256, dtype=torch.bfloat16), qweight, scales_t, None, 64,
                      {"mma": True, "warps": 4, "unroll": 1}, torch.empty(9, 64, dtype=torch.bfloat16))
+
+
+def test_route_keeps_the_sweeps_entry_and_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    mma = {"mma": True, "warps": 4, "unroll": 1, "tiles": 1}
+    monkeypatch.setitem(int4.CONFIGS, (1, 64, 256), mma)
+    assert int4.k8_route(1, 64, 256, "cpu", lambda: True) == mma
+    fallback = int4.k8_route(1, 64, 256, "cpu", lambda: False)  # committed entry, kernel not usable here
+    assert fallback.get("gemv") and not fallback.get("mma")
+    monkeypatch.setitem(int4.CONFIGS, (16, 64, 256), mma)  # a tensor-core entry in the 16-row class
+    assert int4.k8_route(5, 64, 256, "cpu", lambda: True) == mma
+    assert int4.k8_route(12, 64, 256, "cpu", lambda: True).get("dot")  # more rows than an mma's 8 columns
+    triton = {"gemv": True, "block_n": 64, "bpi": 1, "split_k": 2, "num_warps": 4}
+    monkeypatch.setitem(int4.CONFIGS, (1, 64, 256), triton)  # the sweep's winner is the Triton kernel: kept
+    assert int4.k8_route(1, 64, 256, "cpu", lambda: True) == triton
+    assert int4.k8_route(1, 128, 256, "cpu", lambda: True)["mma"]  # no entry: one row takes it where ready
+    assert not int4.k8_route(1, 128, 256, "cpu", lambda: False).get("mma")
+    assert not int4.k8_route(2, 128, 256, "cpu", lambda: True).get("mma")  # 2-8 rows only by a sweep entry

@@ -253,6 +253,20 @@ def k8_gemv_config(n: int, k: int, device: str = "cuda", block_n: int = 64, bpi:
             "split_k": default_split(-(-n // block_n), k, bpi, _sm_count(device)), "num_warps": num_warps}
 
 
+def k8_route(m: int, n: int, k: int, device: str, ready) -> dict:
+    """The configuration k8_launch runs for M rows by default: the sweep's entry (CONFIGS) where there is one and
+    it can run here, else at one row the tensor-core kernel where `ready()` (it compiles and passed its check for
+    this shape, dtype and device), else the Triton kernels' defaults (k8_config)."""
+    cfg = k8_config(m, n, k, device)
+    if cfg.get("mma"):
+        if m <= MMA_ROWS and ready():
+            return cfg
+        return k8_gemv_config(n, k, device) if m == 1 else k8_dot_config(m, n, k, device)
+    if m == 1 and (1, n, k) not in CONFIGS and ready():
+        return mma_config(n, k)
+    return cfg
+
+
 def k8_config(m: int, n: int, k: int, device: str = "cuda") -> dict:
     """The configuration of the k8 kernels for M rows of an [N, K] layer: the sweep's (CONFIGS), else the default:
     one row the FMA kernel (k8_gemv_config), more rows the tensor-core split-K kernel (k8_dot_config)."""
@@ -297,16 +311,19 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     if (config or {}).get("dense") or (config is None and m >= DENSE_ROWS):
         return _k8_dense(x, qweight, scales_t, pqs, group)
-    cfg = config or k8_config(m, n, k, str(x.device))
-    if config is None and (cfg.get("mma") or m == 1) and m <= MMA_ROWS:
-        ready = mma_ready(x, n, k, group)
-        if cfg.get("mma") and not ready:
-            cfg = k8_gemv_config(n, k, str(x.device)) if m == 1 else k8_dot_config(m, n, k, str(x.device))
-        elif ready and not cfg.get("mma"):
-            cfg = mma_config(n, k)
+    if config is None:
+        cfg = k8_route(m, n, k, str(x.device), lambda: mma_ready(x, n, k, group))
+    else:
+        cfg = config
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if cfg.get("mma"):
-        return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y)
+        try:
+            return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y)
+        except MmaUnavailable as exc:
+            if config is not None:
+                raise
+            log.warning("int4: %s; the Triton kernels run instead", exc)
+            cfg = k8_route(m, n, k, str(x.device), lambda: False)
     if cfg.get("gemv") and m == 1:
         return _k8_gemv(x, qweight, scales_t, pqs, group, cfg, y)
     dot, split = cfg["dot"], cfg["split_k"]
@@ -386,27 +403,50 @@ def mma_ready(x: torch.Tensor, n: int, k: int, group: int) -> bool:
 def k8_kernels(device: str, dtype: torch.dtype) -> str:
     """What multiplies a k8-layout layer on this device and dtype, in words (the engine's kernel description)."""
     dev = torch.device(device)
-    few = ("CUDA tensor-core kernel (NVRTC) up to 8 rows"
+    few = ("CUDA tensor-core kernel (NVRTC) for one row"
            if (dev.type == "cuda" and not interpreted() and dtype in (torch.bfloat16, torch.float16)
                and torch.cuda.get_device_capability(dev) >= (8, 0) and mma_usable(device, dtype))
            else "triton one-row GEMV")
     return f"W4A16, weights kept packed (k8 layout): {few}, triton split-K GEMM for more rows"
 
 
+class MmaUnavailable(RuntimeError):
+    """An instantiation of the tensor-core kernel did not compile or load, or failed its first-use check."""
+
+
+_MMA_BAD: dict = {}
+
+
 def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype):
-    """(module, name) of the configuration's instantiation on this device, compiled on first use."""
+    """(module, name) of the configuration's instantiation on this device: compiled on first use and checked on one
+    small case against float64 before it multiplies anything (MmaUnavailable, with the reason, where either
+    fails; remembered for the process)."""
     from quantlab.engines.kernels import _int4_cuda, cuda_rtc
 
     gs = group if group < 128 else 0
     name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), gs, dtype == torch.bfloat16)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
+    if key in _MMA_BAD:
+        raise MmaUnavailable(_MMA_BAD[key])
     if key not in _MMA_MODULES:
         major, minor = torch.cuda.get_device_capability(index)
-        with torch.cuda.device(index):
-            torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
-            _MMA_MODULES[key] = cuda_rtc.Module(*cuda_rtc.compile_kernels(_int4_cuda.SOURCE, [name],
-                                                                             f"{major}{minor}"))
+        try:
+            with torch.cuda.device(index):
+                torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
+                _MMA_MODULES[key] = cuda_rtc.Module(*cuda_rtc.compile_kernels(_int4_cuda.SOURCE, [name],
+                                                                                 f"{major}{minor}"))
+        except cuda_rtc.RtcError as exc:
+            _MMA_BAD[key] = f"{name} on cuda:{index}: {exc}"
+            raise MmaUnavailable(_MMA_BAD[key]) from exc
+        k = 2 * max(128, group)
+        case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), k, group, True)
+        bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
+                                        variants=((name, cfg),)))
+        if bad:
+            del _MMA_MODULES[key]
+            _MMA_BAD[key] = f"{name} on cuda:{index} failed its first-use check: {bad[:1]}"
+            raise MmaUnavailable(_MMA_BAD[key])
     return _MMA_MODULES[key], name
 
 
@@ -420,6 +460,11 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
     if m > MMA_ROWS or n % rows:
         raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows and N a multiple of {rows}, "
                          f"got M={m}, N={n}")
+    if (not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or scales_t.dtype != x.dtype
+            or qweight.dtype != torch.int32 or not k8_supported(k, group)):
+        raise ValueError(f"the tensor-core W4A16 kernel takes CUDA bf16 / fp16 inputs with scales of the same dtype "
+                         f"on the k8 layout, got x {x.dtype} on {x.device}, scales {scales_t.dtype}, codes "
+                         f"{qweight.dtype}, K={k}, group {group}")
     if pqs is not None:
         x = x * pqs
     if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
@@ -434,9 +479,12 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
 def mma_usable(device: str, dtype: torch.dtype) -> bool:
     """Whether the tensor-core kernel compiles and computes exactly on this device and dtype (check() on
     MMA_CHECK_CASES, once per process; False with the reason logged otherwise)."""
-    key = (str(device), dtype)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), dtype)
     if key not in _MMA_USABLE:
-        bad = failed_rows(lambda: check(str(device), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",)))
+        bad = failed_rows(lambda: check(str(dev), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",)))
         if bad:
             log.warning("int4: the tensor-core W4A16 kernel is not used on %s %s (%s); the Triton kernels run",
                         device, dtype, bad[:2])
@@ -509,7 +557,7 @@ def _one_case(out: list, device: str, case: tuple, tensors: tuple, kernels: tupl
 
 
 def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHECK_CASES, seed: int = 0,
-          layouts: tuple = ("export", "k8", "mma")) -> list[dict]:
+          layouts: tuple = ("export", "k8", "mma"), variants: tuple | None = None) -> list[dict]:
     """Every kernel against the exact arithmetic it implements, case by case (rows, N, K, group, with
     pre_quant_scale): the input times pre_quant_scale rounded to the compute dtype, weights q * scale rounded once,
     exact products accumulated in fp32 in any order, the output rounded once. `worst` is the largest error over
@@ -517,8 +565,9 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
     failed, `error` says why). A wrong code, scale or group is off by the size of the products, orders of
     magnitude above the bound. Kernels: the export layout's GEMV and GEMM; the k8 paths of k8_variants (cases whose
     K or group the k8 layout does not take are skipped there); on a CUDA device the tensor-core kernel's
-    MMA_VARIANTS (16-bit dtypes, up to MMA_ROWS rows, N a multiple of 16). Used by the tests (Triton's CPU
-    interpreter), by k8_usable and mma_usable, and by bench/decode.py --check (on the GPU, at the model's shapes)."""
+    MMA_VARIANTS, or `variants` ((name, config) pairs; 16-bit dtypes, up to MMA_ROWS rows, N a multiple of 16).
+    Used by the tests (Triton's CPU interpreter), by k8_usable, mma_usable and the tensor-core kernel's first-use
+    check, and by bench/decode.py --check (on the GPU, at the model's shapes)."""
     out = []
     g = torch.Generator().manual_seed(seed)
     for case in cases:
@@ -534,7 +583,8 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
             if "k8" in layouts and k8_supported(k, group):
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
             if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
-                kernels += [(name, "k8", cfg) for name, cfg in MMA_VARIANTS if n % (16 * cfg["tiles"]) == 0]
+                kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS
+                            if n % (16 * cfg.get("tiles", 1)) == 0]
             _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
     return out
 
