@@ -291,12 +291,22 @@ def time_attention(batch: int = 1, length: int = 546, layers: int = 32) -> dict:
     out = {}
     for name, fn in (("triton_us", kernel), ("grouped_sdpa_us", sdpa)):
         out[name] = graph_us(fn) / layers
-    out["splits"] = attention.plan(batch, hkv, length, "cuda", attention.block_l(d))[1]
+    out["splits"] = attention.plan(batch, hkv, length, "cuda", d)[1]
     kv_bytes = 2 * batch * hkv * length * d * 2
     say(f"  decode attention at B={batch}, {length} positions: triton {out['triton_us']:.1f} us/layer "
         f"({kv_bytes / out['triton_us'] / 1e3:.0f} GB/s), grouped sdpa {out['grouped_sdpa_us']:.1f} us/layer; "
         f"{out['splits']} splits")
     return out
+
+
+def finish(res: dict, t0: float, out: str | None) -> int:
+    """The end of a kernel microbenchmark (bench/int4_kernels.py, bench/fp8_kernels.py): the seconds it took,
+    printed and recorded, and the results written as JSON where --out asks."""
+    res["seconds"] = time.time() - t0
+    print(f"done in {res['seconds']:.0f}s", flush=True)
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1, default=str))
+    return 0
 
 
 def graph_us(fn, replays: int = 20) -> float:

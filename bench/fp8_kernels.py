@@ -10,7 +10,6 @@ Prints the CONFIGS table to commit (the fastest exact configuration per shape wh
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -142,11 +141,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     print("CONFIGS = {\n" + "".join(f"    {key}: {cfg},\n" for key, cfg in table.items()) + "}", flush=True)
     res["configs"] = {str(key): cfg for key, cfg in table.items()}
-    res["seconds"] = time.time() - t0
-    print(f"done in {res['seconds']:.0f}s", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    return 0
+    return bench.finish(res, t0, args.out)
 
 
 if __name__ == "__main__":

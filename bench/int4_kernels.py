@@ -9,7 +9,6 @@ end-to-end measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -27,8 +26,8 @@ def candidates(m: int, n: int, k: int, quick: bool) -> list[dict]:
     """The k8 configurations timed for M rows: the defaults, the one-row kernel over tile shapes (one row), and the
     tensor-core sweep's candidates."""
     out = [{"name": "dot_default", **int4.k8_dot_config(m, n, k)}]
-    if m <= int4.MMA_ROWS and torch.cuda.is_available() and int4.mma_usable("cuda", torch.bfloat16):
-        out += [{"name": f"mma_w{w}_u{u}_t{r}", **int4.mma_config(n, k, w, u, r)} for w, u, r in int4.MMA_SHAPES
+    if m <= int4.MMA_ROWS and torch.cuda.is_available() and int4.mma_on("cuda", torch.bfloat16):
+        out += [{"name": f"mma_w{w}_u{u}_t{r}", **int4.mma_config(k, w, u, r)} for w, u, r in int4.MMA_SHAPES
                 if n % (16 * r) == 0]
     if m == 1:
         shapes = [(64, 2, 4), (128, 1, 4), (64, 1, 4), (128, 2, 4), (256, 1, 4), (64, 1, 2), (32, 2, 2)]
@@ -87,11 +86,7 @@ def main() -> int:
                 print(f"    {len(bad)} failed, e.g. {bad[0]['name']}: {bad[0]['error']}", flush=True)
             del t
             torch.cuda.empty_cache()
-    res["seconds"] = time.time() - t0
-    print(f"done in {res['seconds']:.0f}s", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    return 0
+    return bench.finish(res, t0, args.out)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_engine_does_not_pick_it_where_it_cannot_run():
     assert not int4.mma_applies(1, 40, 256, 64, torch.bfloat16)  # N not in tiles of 16
     assert not int4.mma_applies(1, 64, 256, 64, torch.float32)
     assert not int4.mma_ready(x, 64, 256, 64)  # a CPU tensor
-    cfg = int4.mma_config(4096, 14336)
+    cfg = int4.mma_config(14336)
     assert cfg["mma"] and 4 <= cfg["warps"] <= 16 and (cfg["warps"], cfg["unroll"], cfg["tiles"]) in int4.MMA_SHAPES
     with pytest.raises(ValueError, match="up to 8 rows"):
         int4._k8_mma(torch.zeros(9, 256, dtype=torch.bfloat16), qweight, scales_t, None, 64,

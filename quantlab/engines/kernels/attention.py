@@ -45,10 +45,10 @@ def block_l(head_dim: int) -> int:
     return BLOCK_L if head_dim <= 128 else BLOCK_L_WIDE
 
 
-def plan(batch: int, kv_heads: int, max_len: int, device: str, step: int = BLOCK_L) -> tuple[int, int]:
-    """(tiles per program, splits) for a cache of max_len positions read `step` positions a tile: splits until
-    batch x KV heads x splits reaches TARGET_PROGRAMS per SM (at most one split per tile)."""
-    tiles = -(-max_len // step)
+def plan(batch: int, kv_heads: int, max_len: int, device: str, head_dim: int) -> tuple[int, int]:
+    """(tiles per program, splits) for a cache of max_len positions read block_l(head_dim) positions a tile:
+    splits until batch x KV heads x splits reaches TARGET_PROGRAMS per SM (at most one split per tile)."""
+    tiles = -(-max_len // block_l(head_dim))
     splits = max(1, min(tiles, -(-TARGET_PROGRAMS * _sm_count(device) // (batch * kv_heads))))
     per = -(-tiles // splits)
     return per, -(-tiles // per)
@@ -72,8 +72,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
         q = q.contiguous()
     group = hq // hkv
     block_g, block_d = _pow2(group, 16), _pow2(d, 16)
-    step = block_l(d)
-    per, nsplit = plan(b, hkv, length, str(q.device), step)
+    per, nsplit = plan(b, hkv, length, str(q.device), d)
     out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
     ws, cnt = _SCRATCH.get(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
     k_scale, v_scale = scales if scales is not None else (ws, ws)
@@ -82,7 +81,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(2), hkv,
         float(scaling), float(softcap or 1.0), int(window or 0),
-        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=step, TILES=per, SPLITS=nsplit,
+        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l(d), TILES=per, SPLITS=nsplit,
         FP8=scales is not None, SOFTCAP=bool(softcap), F32_DOT=q.dtype == torch.float32 or interpreted(),
         num_warps=4, num_stages=2)
     del triton
@@ -154,7 +153,7 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
                 args = [t.to(device) for t in (q, k, v, torch.tensor([pos]))]
                 dev_scales = tuple(s.to(device) for s in scales) if scales else None
                 got = launch(*args, dev_scales, d ** -0.5, window, softcap).cpu().double()
-                row["splits"] = plan(batch, hkv, length, device, block_l(d))[1]
+                row["splits"] = plan(batch, hkv, length, device, d)[1]
                 row["err"] = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
                 row["ok"] = row["err"] < (1e-5 if dtype == torch.float32 else 3 * torch.finfo(dtype).eps)
             except Exception as exc:  # noqa: BLE001 - reported as a failed case

@@ -263,7 +263,7 @@ def k8_route(m: int, n: int, k: int, device: str, ready) -> dict:
             return cfg
         return k8_gemv_config(n, k, device) if m == 1 else k8_dot_config(m, n, k, device)
     if m == 1 and (1, n, k) not in CONFIGS and ready():
-        return mma_config(n, k)
+        return mma_config(k)
     return cfg
 
 
@@ -339,9 +339,11 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     return y
 
 
-def gemv_asm(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the one-row kernel dequantizes with its PTX blocks (bf16 / fp16 on a CUDA device of compute
-    capability 8.0 or later; not in Triton's interpreter, which runs the same arithmetic written in Triton)."""
+def ptx16(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether 16-bit packed PTX runs here: bf16 / fp16 on a CUDA device of compute capability 8.0 or later, not in
+    Triton's interpreter (which runs the same arithmetic written in Triton). The one-row Triton kernel's PTX
+    dequantization needs it, and the tensor-core kernel (mma_on)."""
+    device = torch.device(device)
     return (dtype in (torch.bfloat16, torch.float16) and device.type == "cuda" and not interpreted()
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
@@ -357,7 +359,7 @@ def _k8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs
     ws, cnt = _SCRATCH.get(x.device, split * n if split > 1 else 0, grid[0])
     kernels.w4a16_k8_gemv[grid](x, qweight, scales_t, pqs if pqs is not None else scales_t, y, ws, cnt, n,
                                 scales_t.stride(0), k, GROUP=group, BLOCK_N=cfg["block_n"], SPLIT_K=split,
-                                BPI=cfg["bpi"], HAS_PQS=pqs is not None, ASM=gemv_asm(x.dtype, x.device),
+                                BPI=cfg["bpi"], HAS_PQS=pqs is not None, ASM=ptx16(x.dtype, x.device),
                                 FAST=x.dtype in (torch.bfloat16, torch.float16),
                                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     return y
@@ -375,13 +377,11 @@ _MMA_MODULES: dict = {}
 _MMA_USABLE: dict = {}
 
 
-def mma_config(n: int, k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1) -> dict:
-    """The tensor-core kernel's configuration for an [N, K] layer: a CTA of `warps` warps on 16 output rows, the
-    warps splitting K (default: the sweep's (CONFIGS), else about 4 blocks of 128 inputs a warp, 4 to 16 warps),
-    `unroll` blocks of loads issued before their arithmetic, `tiles` row tiles of 16 a warp (x's fragments shared)."""
-    cfg = CONFIGS.get((1, n, k))
-    if warps is None and cfg is not None and cfg.get("mma"):
-        return cfg
+def mma_config(k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1) -> dict:
+    """The tensor-core kernel's configuration for a layer of K inputs: a CTA of `warps` warps on 16 output rows, the
+    warps splitting K (default: about 4 blocks of 128 inputs a warp, 4 to 16 warps), `unroll` blocks of loads issued
+    before their arithmetic, `tiles` row tiles of 16 a warp (x's fragments shared). The sweep's choices live in
+    CONFIGS (k8_route)."""
     if warps is None:
         warps = _pow2_at_most(max(4, k // 128 // 4), 16)
     return {"mma": True, "warps": warps, "unroll": unroll, "tiles": tiles}
@@ -393,20 +393,20 @@ def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     return m <= MMA_ROWS and n % 16 == 0 and k8_supported(k, group) and dtype in (torch.bfloat16, torch.float16)
 
 
+def mma_on(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the tensor-core kernel runs on this device and dtype: the hardware of ptx16, and it passed its check
+    there (mma_usable)."""
+    return ptx16(dtype, device) and mma_usable(str(device), dtype)
+
+
 def mma_ready(x: torch.Tensor, n: int, k: int, group: int) -> bool:
-    """Whether x's rows go to the tensor-core kernel: the shape applies, x is on a CUDA device of capability 8.0 or
-    later (not Triton's interpreter), and the kernel passed its check there."""
-    return (mma_applies(x.shape[0], n, k, group, x.dtype) and x.is_cuda and not interpreted()
-            and torch.cuda.get_device_capability(x.device) >= (8, 0) and mma_usable(str(x.device), x.dtype))
+    """Whether x's rows go to the tensor-core kernel: the shape applies and mma_on(x's device, x's dtype)."""
+    return mma_applies(x.shape[0], n, k, group, x.dtype) and mma_on(x.device, x.dtype)
 
 
 def k8_kernels(device: str, dtype: torch.dtype) -> str:
     """What multiplies a k8-layout layer on this device and dtype, in words (the engine's kernel description)."""
-    dev = torch.device(device)
-    few = ("CUDA tensor-core kernel (NVRTC) for one row"
-           if (dev.type == "cuda" and not interpreted() and dtype in (torch.bfloat16, torch.float16)
-               and torch.cuda.get_device_capability(dev) >= (8, 0) and mma_usable(device, dtype))
-           else "triton one-row GEMV")
+    few = "CUDA tensor-core kernel (NVRTC) for one row" if mma_on(device, dtype) else "triton one-row GEMV"
     return f"W4A16, weights kept packed (k8 layout): {few}, triton split-K GEMM for more rows"
 
 
@@ -457,18 +457,16 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
-    if m > MMA_ROWS or n % rows:
-        raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows and N a multiple of {rows}, "
-                         f"got M={m}, N={n}")
-    if (not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or scales_t.dtype != x.dtype
-            or qweight.dtype != torch.int32 or not k8_supported(k, group)):
-        raise ValueError(f"the tensor-core W4A16 kernel takes CUDA bf16 / fp16 inputs with scales of the same dtype "
-                         f"on the k8 layout, got x {x.dtype} on {x.device}, scales {scales_t.dtype}, codes "
-                         f"{qweight.dtype}, K={k}, group {group}")
+    if (not mma_applies(m, n, k, group, x.dtype) or n % rows or not x.is_cuda or scales_t.dtype != x.dtype
+            or qweight.dtype != torch.int32):
+        raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows, N a multiple of {rows}, and "
+                         f"CUDA bf16 / fp16 inputs with scales of the same dtype on the k8 layout; got M={m}, N={n}, "
+                         f"K={k}, group {group}, x {x.dtype} on {x.device}, scales {scales_t.dtype}, codes "
+                         f"{qweight.dtype}")
     if pqs is not None:
         x = x * pqs
     if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh (aligned) contiguous copy
     module, name = _mma_kernel(x.device, cfg, group, x.dtype)
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
@@ -631,8 +629,8 @@ def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
     sms = _sm_count("cuda") if torch.cuda.is_available() else 132
     if m == 1:  # the one-row kernel over tile shapes, each at its default split and the two next to it
         out = []
-        if torch.cuda.is_available() and mma_usable("cuda", torch.bfloat16):  # the tensor-core kernel first
-            out += [mma_config(n, k, w, u, r) for w, u, r in MMA_SHAPES if n % (16 * r) == 0]
+        if torch.cuda.is_available() and mma_on("cuda", torch.bfloat16):  # the tensor-core kernel first
+            out += [mma_config(k, w, u, r) for w, u, r in MMA_SHAPES if n % (16 * r) == 0]
         for block_n, bpi, warps in ((64, 2, 4), (128, 1, 4), (64, 1, 4), (256, 1, 4)):
             base = k8_gemv_config(n, k, "cuda" if torch.cuda.is_available() else "cpu", block_n, bpi, warps)
             splits = valid_splits(k, base["bpi"])
