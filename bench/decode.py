@@ -512,7 +512,7 @@ def profile_step(dec) -> dict:
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return {"kernels": sum(r[2] for r in rows), "gpu_us": total,
-            "top": [{"kernel": k[:90], "us": round(t, 1), "count": c} for k, t, c in rows[:12]]}
+            "top": [{"kernel": k[:90], "us": round(t, 1), "count": c} for k, t, c in rows[:40]]}
 
 
 def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: dict | None) -> dict:

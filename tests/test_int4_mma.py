@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 
+from quantlab.engines.int4_codes import unpack_int4
 from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4
 
 
@@ -22,9 +23,10 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
     except cuda_rtc.RtcError as exc:
         pytest.skip(str(exc))
     if arch == "90":  # every configuration the sweep times, the groups inside a block on one of them
-        names = _names(int4.MMA_SHAPES, (0,), (True,)) + _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64), (True, False))
+        names = _names(int4.MMA_SHAPES, (0, 128), (True,)) + _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64),
+                                                                     (True, False))
     else:
-        names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64), (True, False))
+        names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64, 128), (True, False))
     log: list[str] = []
     cubin, lowered = cuda_rtc.compile_kernels(_int4_cuda.SOURCE, names, arch, ("--ptxas-options=--warn-on-spills",),
                                               log)
@@ -76,7 +78,8 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64."""
     m, k = x.shape
     n = qweight.shape[0]
-    words = [[int(v) & 0xFFFFFFFF for v in row] for row in qweight.tolist()]
+    words = [int(v) & 0xFFFFFFFF for v in qweight.flatten().tolist()]  # the memory the kernel reads
+    tile = (k // 128) * 64  # 128-bit words in a tile of 16 rows
     xb = [[int(v) & 0xFFFF for v in row] for row in x.view(torch.int16).tolist()]
     sb = [[int(v) & 0xFFFF for v in row] for row in scales_t.view(torch.int16).tolist()]
     per = 128 // group if group < 128 else 1
@@ -89,7 +92,8 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
                 xr = xb[min(g, m - 1)]
                 for t in range(4):
                     rows = (n0 + g, n0 + g + 8)
-                    wv = [[words[r][16 * b + 4 * t + e] for e in range(4)] for r in rows]
+                    wt = (n0 >> 4) * tile + 4 * g + t  # the kernel's wt, then + b * 64 + 32 * half
+                    wv = [[words[4 * (wt + b * 64 + 32 * half) + e] for e in range(4)] for half in range(2)]
                     xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
                            xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16))
                           for j in range(8)]
@@ -123,7 +127,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     return out
 
 
-@pytest.mark.parametrize("group", [16, 64, 256])
+@pytest.mark.parametrize("group", [16, 64, 128, 256])
 def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group):
     g = torch.Generator().manual_seed(3)
     n, k, m = 32, 256, 3
@@ -168,3 +172,22 @@ def test_route_keeps_the_sweeps_entry_and_falls_back_where_the_kernel_cannot_run
     assert int4.k8_route(1, 128, 256, "cpu", lambda: True)["mma"]  # no entry: one row takes it where ready
     assert not int4.k8_route(1, 128, 256, "cpu", lambda: False).get("mma")
     assert not int4.k8_route(2, 128, 256, "cpu", lambda: True).get("mma")  # 2-8 rows only by a sweep entry
+
+
+def test_k8_layout_holds_every_code_where_k8_offset_says():
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 384
+    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // 128, generator=g).to(torch.bfloat16)
+    qweight, _ = int4.repack(packed, scales)
+    codes = unpack_int4(packed)  # [N, K] signed, input order
+    assert torch.equal(int4.k8_codes(qweight), codes.to(torch.int8))
+    flat = qweight.flatten()
+    for row in (0, 15, 16, 33, 47):
+        for word in (0, 5, 16, 47):
+            b, i = divmod(word, 16)
+            value = int(flat[int4.k8_offset(row, word, k // 8)]) & 0xFFFFFFFF
+            nibbles = [(value >> (4 * j)) & 15 for j in range(8)]
+            assert nibbles == [int(codes[row, 128 * b + 16 * j + i]) + 8 for j in range(8)]
+    with pytest.raises(ValueError, match="tiles of 16"):
+        int4.repack(packed[:20], scales[:40])

@@ -348,7 +348,7 @@ class Int4AwqLinear(QuantLinear):
         where those kernels take this layer and passed their check on the device; returns whether it did."""
         from quantlab.engines.kernels import int4
 
-        if (self.layout != "export" or not int4.k8_supported(self.in_features, self.block)
+        if (self.layout != "export" or not int4.k8_supported(self.out_features, self.in_features, self.block)
                 or not int4.k8_usable(str(self.weight_packed.device), self.weight_scale.dtype)):
             return False
         self.weight_packed, self.weight_scale = int4.repack(self.weight_packed, self.weight_scale)
@@ -606,7 +606,10 @@ def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torc
     """The packed W4A16 GEMM on x [M, K] in the scales' dtype -> [M, N] in that dtype: quantlab::w4a16_k8 on the
     k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes)."""
     if packed.dtype == torch.int32:
-        return torch.ops.quantlab.w4a16_k8(x.to(scales.dtype), packed, scales, pqs, block)
+        x = x.to(scales.dtype)
+        if pqs is not None:  # outside the opaque op: torch.compile fuses it into the producer (the norm)
+            x = x * pqs
+        return torch.ops.quantlab.w4a16_k8(x, packed, scales, None, block)
     return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
 
 

@@ -6,9 +6,10 @@ dequantized tile through shared memory. Here each thread dequantizes straight in
 fragment: per pair of weights one LOP3 (magic number) and two packed FMAs, and one mma per 8 weights a thread.
 
 The k8 layout read as is (int4.repack): row n, block b of 128 inputs, word i (0..15) holds in nibble j the input
-128b + 16j + i. A warp takes RT tiles of 16 rows (in each, n0 + g and n0 + g + 8, g = lane / 4) and thread
-t = lane % 4 loads words 4t..4t+3 of each of its rows (one 128-bit load a row: a quad reads a row's 64 bytes of the
-block); a step issues every load of its UNROLL blocks (codes, scales, x) before their arithmetic. The K index
+128b + 16j + i; rows in tiles of 16, block b of a tile's rows one contiguous 1 KB (int4.k8_offset). A warp takes RT
+tiles of 16 rows (in each, n0 + g and n0 + g + 8, g = lane / 4) and thread t = lane % 4 loads words 4t..4t+3 of each
+of its rows (one 128-bit load a row: a quad reads a row's 64 bytes of the block, the warp 512 contiguous bytes); a
+step issues every load of its UNROLL blocks (codes, scales, x) before their arithmetic. The K index
 inside an mma is a permutation of the inputs, the same for A and B, so the product is the one of the layer:
 for word 4t + s and h in {0, 1}, mma (s, h) has in thread t's k slots (2t, 2t+1) the nibbles (2h, 2h + 4) - a
 LOP3 pair - and in (2t+8, 2t+9) the nibbles (2h+1, 2h+5); B's slots hold the x values of the same inputs
@@ -88,21 +89,23 @@ __device__ __forceinline__ u32 word(uint4 v, int e) {
     return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
-// GS: the group size when it is 16, 32 or 64 (groups inside a block); 0: a multiple of 128 (`group` at run time).
+// GS: the group size when it is 16, 32, 64 (groups inside a block) or 128 (one a block); 0: a larger multiple of 128
+// (`group` at run time: a division a block).
 // RT: row tiles of 16 a warp (a CTA computes 16 RT rows); x's B fragments serve all of them.
 template <int WARPS, int UNROLL, int RT, int GS, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
              u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
     constexpr int PER = GS ? 128 / GS : 1;       // groups in a block of 128 inputs
-    constexpr int NS = GS ? PER / 2 : 1;         // distinct scale pairs a row and block
+    constexpr int NS = PER > 1 ? PER / 2 : 1;    // distinct scale pairs a row and block
     __shared__ float red[WARPS][16 * RT][8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * RT;
     const int nb = K >> 7;
-    const int kw4 = K >> 5;
     const u16* xp = x + (size_t)(g < M ? g : M - 1) * sx + 4 * t;
+    const int tile = nb * 64;  // 128-bit words in a tile of 16 rows
+    const uint4* wt = w + (size_t)(n0 >> 4) * tile + 4 * g + t;  // tile n0 / 16, block 0, row g, words 4t..4t+3
     float acc[RT][2][4];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
@@ -122,11 +125,11 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int row = n0 + 16 * r + g + 8 * half;
-                        wv[u][r][half] = ld_stream(w + (size_t)row * kw4 + 4 * b + t);
+                        wv[u][r][half] = ld_stream(wt + (size_t)b * 64 + (size_t)r * tile + 32 * half);
 #pragma unroll
                         for (int q = 0; q < NS; ++q) {
                             const int lo = GS ? PER * b + q : (128 * b) / group;
-                            const int hi = GS ? lo + PER / 2 : lo;
+                            const int hi = PER > 1 ? lo + PER / 2 : lo;
                             sv[u][r][half][q] = (u32)s[(size_t)lo * ss + row] | ((u32)s[(size_t)hi * ss + row] << 16);
                         }
                     }
@@ -182,6 +185,6 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 
 
 def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool) -> str:
-    """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, or 0 for groups
-    that are multiples of 128)."""
+    """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, 128, or 0 for
+    groups that are larger multiples of 128)."""
     return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {'true' if bf16 else 'false'}>"

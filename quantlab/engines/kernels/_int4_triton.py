@@ -98,6 +98,19 @@ def w4a16_gemm(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, M, N2, K: tl.constexpr, stride
 # int4.repack writes, per output row, one int32 word per 8 inputs: in block b of 128 inputs, word i (0..15) holds in
 # bits 4j..4j+3 the code of input 128b + 16j + i, offset binary (q + 8). Nibble j of 16 consecutive words is then
 # the 16 consecutive inputs 128b + 16j .. +15: one [rows, 16] tile per j, matched by 16 consecutive inputs of x.
+# Rows are stored in tiles of 16 (int4.k8_offset): block b of the tile's rows is one contiguous 1 KB.
+@triton.jit
+def _k8_rows(rn, KW: tl.constexpr):
+    """The int32 offset of word 0 of block 0 of rows rn (add _k8_block(b) and the word 0..15)."""
+    return (rn // 16) * (16 * KW) + (rn % 16) * 16
+
+
+@triton.jit
+def _k8_block(b):
+    """The int32 offset of block b within a tile's row (see _k8_rows)."""
+    return b * 256
+
+
 @triton.jit
 def _k8_dequant(wv, j: tl.constexpr, s, FAST: tl.constexpr):
     """Nibble j of int32 words wv [R, 16] -> (code - 8) * s, exactly, in fp32 (s [R] fp32, its row's scale).
@@ -151,7 +164,8 @@ def w4a16_k8(x_ptr, w_ptr, s_ptr, p_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_xm
     for it in range(PER_SPLIT // BPI):
         for bb in tl.static_range(BPI):
             b = pid_k * PER_SPLIT + it * BPI + bb
-            wv = tl.load(w_ptr + rn[:, None] * KW + (b * 16 + ri)[None, :], mask=mask_n[:, None], other=0)
+            wv = tl.load(w_ptr + _k8_rows(rn, KW)[:, None] + (_k8_block(b) + ri)[None, :], mask=mask_n[:, None],
+                         other=0)
             for j in tl.static_range(8):
                 k0 = b * 128 + j * 16
                 if (j * 16) % GROUP == 0:  # the group changes (every block when GROUP >= 128)
@@ -201,7 +215,8 @@ def w4a16_k8_dequant(w_ptr, s_ptr, out_ptr, N, stride_sg, K: tl.constexpr, GROUP
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     ri = tl.arange(0, 16)
-    wv = tl.load(w_ptr + rn[:, None] * (K // 8) + (b * 16 + ri)[None, :], mask=mask_n[:, None], other=0)
+    wv = tl.load(w_ptr + _k8_rows(rn, K // 8)[:, None] + (_k8_block(b) + ri)[None, :], mask=mask_n[:, None],
+                 other=0)
     for j in tl.static_range(8):
         k0 = b * 128 + j * 16
         if (j * 16) % GROUP == 0:
@@ -328,7 +343,7 @@ def _gemv_load(w_ptr, s_ptr, rn, mask_n, b, stride_sg, KW: tl.constexpr, GROUP: 
     """The words of blocks b [B] for rows rn ([R, B, 16] int32) and the scales of each block's first group
     ([R, B])."""
     ri = tl.arange(0, 16)
-    wv = tl.load(w_ptr + rn[:, None, None] * KW + (b * 16)[None, :, None] + ri[None, None, :],
+    wv = tl.load(w_ptr + _k8_rows(rn, KW)[:, None, None] + _k8_block(b)[None, :, None] + ri[None, None, :],
                  mask=mask_n[:, None, None], other=0, eviction_policy="evict_first")
     s0 = tl.load(s_ptr + ((b * 128) // GROUP)[None, :] * stride_sg + rn[:, None], mask=mask_n[:, None], other=0.0)
     return wv, s0

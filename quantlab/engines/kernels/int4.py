@@ -9,23 +9,25 @@ Two layouts, two kernel families (and, for the k8 layout at up to 8 rows on CUDA
 tensor cores compiled at run time by NVRTC: see "k8 on tensor cores" below and _int4_cuda; decode at batch 1 takes
 it where it compiles and passes its check, else the Triton one-row kernel):
 - k8 (what the engine runs): `repack` rewrites the export's codes once at load into int32 [N, K/8], 8 codes of one
-  output row per word along K (offset binary; within each block of 128 inputs, nibble j of word i is input
-  128b + 16j + i), and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, for
-  one row (decode at batch 1), the FMA kernel w4a16_k8_gemv (split over K like the next one; on the GPU in bf16 /
-  fp16 each pair of weights is dequantized by a short PTX block: the two codes moved into one register's 16-bit
-  halves with a LOP3 and the magic-number trick, u - 8 by a packed FMA (exact), times the two scales by a packed FMA
-  (RN: the one rounding of q * scale to the compute dtype), each half widened exactly to fp32 for the FMAs with x;
-  in Triton's interpreter the same values come from Triton arithmetic: the contract above is unchanged); up to
-  DENSE_ROWS rows, one split-K kernel (w4a16_k8: every SM streams codes; partials reduced in fp32 by the last
-  program of each tile, in a fixed order) in one of two modes - tensor-core products of dequantized 16-wide tiles
-  (`dot`), or FMAs (one row per program) - with a configuration per shape (`k8_config`: the table CONFIGS that
-  bench/decode.py --check's sweep fills and prints, else a default); from DENSE_ROWS rows on (prefill) it
-  dequantizes the layer into a temporary and lets torch's GEMM multiply. Op: quantlab::w4a16_k8.
+  output row per word along K (offset binary; within each block of 128 inputs, nibble j of word i is input 128b + 16j
+  + i), stored in tiles of 16 rows: the 16 words of block b of rows 16T..16T+15 are one contiguous 1 KB (word offset
+  ((T * K/128 + b) * 16 + row % 16) * 16 + i, `k8_offset`), so a warp reading eight rows' block reads 512 contiguous
+  bytes; and the scales transposed to [K/group, N] (one coalesced vector per group). `k8_launch` runs, for one row
+  (decode at batch 1), the FMA kernel w4a16_k8_gemv (split over K like the next one; on the GPU in bf16 / fp16 each
+  pair of weights is dequantized by a short PTX block: the two codes moved into one register's 16-bit halves with a
+  LOP3 and the magic-number trick, u - 8 by a packed FMA (exact), times the two scales by a packed FMA (RN: the one
+  rounding of q * scale to the compute dtype), each half widened exactly to fp32 for the FMAs with x; in Triton's
+  interpreter the same values come from Triton arithmetic: the contract above is unchanged); up to DENSE_ROWS rows,
+  one split-K kernel (w4a16_k8: every SM streams codes; partials reduced in fp32 by the last program of each tile, in
+  a fixed order) in one of two modes - tensor-core products of dequantized 16-wide tiles (`dot`), or FMAs (one row per
+  program) - with a configuration per shape (`k8_config`: the table CONFIGS that bench/decode.py --check's sweep fills
+  and prints, else a default); from DENSE_ROWS rows on (prefill) it dequantizes the layer into a temporary and lets
+  torch's GEMM multiply. Op: quantlab::w4a16_k8.
 - export (the fallback): the export's own layout read as is (uint8 [N/2, K], rows 2r / 2r+1 in the low / high
   nibble, two's complement; scales [N, K/group]): a GEMV for one row and a tensor-core GEMM. Op: quantlab::w4a16_mm.
-  Layers keep this layout where the k8 kernels do not apply (K not a multiple of 128, a group size that does not
-  tile 128) or fail their check on the device (`k8_usable`, run once per device and dtype before any layer is
-  repacked).
+  Layers keep this layout where the k8 kernels do not apply (N not in tiles of 16, K not a multiple of 128, a group
+  size that does not tile 128) or fail their check on the device (`k8_usable`, run once per device and dtype before
+  any layer is repacked).
 
 K is a compile-time constant (a model has two or three input widths; loop bounds known to the compiler are what
 Triton's CPU interpreter needs under NumPy 2.4). Both ops are torch custom ops, so torch.compile traces through them
@@ -147,16 +149,41 @@ def reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: 
 
 
 # ------------------------------------------------------------------------------------------------ the k8 layout
-def k8_supported(k: int, group: int) -> bool:
-    """Whether the k8 kernels take a layer of K inputs and this group size (K in blocks of 128; a group that is a
-    multiple of 16 and divides 128, or a multiple of 128)."""
-    return k % 128 == 0 and group % 16 == 0 and (128 % group == 0 or group % 128 == 0) and k % group == 0
+K8_TILE = 16  # rows a k8 tile holds
+
+
+def k8_supported(n: int, k: int, group: int) -> bool:
+    """Whether the k8 kernels take a layer of N outputs and K inputs and this group size (N in tiles of 16; K in
+    blocks of 128; a group that is a multiple of 16 and divides 128, or a multiple of 128)."""
+    return (n % K8_TILE == 0 and k % 128 == 0 and group % 16 == 0 and (128 % group == 0 or group % 128 == 0)
+            and k % group == 0)
+
+
+def k8_offset(row, word, kw: int):
+    """The int32 offset of (row, word) in a k8 tensor of kw = K/8 words a row (ints or integer tensors): tiles of
+    16 rows, each block of 16 words of the tile's rows contiguous."""
+    return ((row // K8_TILE) * (kw // 16) + word // 16) * (16 * K8_TILE) + (row % K8_TILE) * 16 + word % 16
+
+
+def _tile(words: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] words in row order -> the k8 tile order (same shape)."""
+    n, kw = words.shape
+    return words.view(n // K8_TILE, K8_TILE, kw // 16, 16).permute(0, 2, 1, 3).reshape(n, kw)
+
+
+def _untile(qweight: torch.Tensor) -> torch.Tensor:
+    """The k8 tile order -> [N, K/8] words in row order."""
+    n, kw = qweight.shape
+    return qweight.reshape(n // K8_TILE, kw // 16, K8_TILE, 16).permute(0, 2, 1, 3).reshape(n, kw)
 
 
 def repack(packed: torch.Tensor, scales: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Export layout -> k8, on the tensors' device: codes uint8 [N/2, K] -> int32 [N, K/8], scales [N, K/group] ->
-    [K/group, N] (contiguous). Chunked over rows (the int64 temporaries are 16x the codes)."""
+    [K/group, N] (contiguous); the codes in tiles of 16 rows (k8_offset). Chunked over rows (the int64 temporaries
+    are 16x the codes)."""
     n2, k = packed.shape
+    if (2 * n2) % K8_TILE:
+        raise ValueError(f"the k8 layout takes rows in tiles of {K8_TILE}; this layer has {2 * n2}")
     out = torch.empty(2 * n2, k // 8, dtype=torch.int32, device=packed.device)
     step = max(1, rows_per_chunk // 2)
     for r in range(0, n2, step):
@@ -166,13 +193,13 @@ def repack(packed: torch.Tensor, scales: torch.Tensor, rows_per_chunk: int = 409
             words |= u[:, :, j] << (4 * j)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the int32 with these bits
         out[2 * r: 2 * r + u.shape[0]] = words.view(u.shape[0], k // 8).to(torch.int32)
-    return out, scales.t().contiguous()
+    return _tile(out), scales.t().contiguous()
 
 
 def k8_codes(qweight: torch.Tensor) -> torch.Tensor:
     """k8 int32 [N, K/8] -> the signed codes int8 [N, K] (input order)."""
     n, kw = qweight.shape
-    w = qweight.to(torch.int64) & 0xFFFFFFFF
+    w = _untile(qweight).to(torch.int64) & 0xFFFFFFFF
     nib = torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=1)  # [N, 8 (j), K/8 (b, i)]
     nib = nib.view(n, 8, kw // 16, 16).permute(0, 2, 1, 3)  # [N, b, j, i]: input 128b + 16j + i
     return (nib.reshape(n, kw * 8) - 8).to(torch.int8)
@@ -203,8 +230,8 @@ def m_bucket(m: int) -> int:
 CONFIGS: dict[tuple[int, int, int], dict] = {
     (1, 4096, 4096): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
     (1, 4096, 14336): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
-    (1, 6144, 4096): {"mma": True, "warps": 8, "unroll": 2, "tiles": 1},
-    (1, 28672, 4096): {"mma": True, "warps": 8, "unroll": 1, "tiles": 1},
+    (1, 6144, 4096): {"mma": True, "warps": 8, "unroll": 1, "tiles": 1},
+    (1, 28672, 4096): {"mma": True, "warps": 4, "unroll": 1, "tiles": 1},
 }
 
 
@@ -390,7 +417,7 @@ def mma_config(k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1
 def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     """Shapes and dtypes the tensor-core kernel takes: up to MMA_ROWS rows, N a multiple of 16, the k8 layout, a
     16-bit compute dtype."""
-    return m <= MMA_ROWS and n % 16 == 0 and k8_supported(k, group) and dtype in (torch.bfloat16, torch.float16)
+    return m <= MMA_ROWS and k8_supported(n, k, group) and dtype in (torch.bfloat16, torch.float16)
 
 
 def mma_on(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -423,7 +450,7 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype)
     fails; remembered for the process)."""
     from quantlab.engines.kernels import _int4_cuda, cuda_rtc
 
-    gs = group if group < 128 else 0
+    gs = group if group <= 128 else 0
     name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), gs, dtype == torch.bfloat16)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
@@ -578,7 +605,7 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
             kernels = []
             if "export" in layouts:
                 kernels += [("gemv", "export", True), ("gemm", "export", False)]
-            if "k8" in layouts and k8_supported(k, group):
+            if "k8" in layouts and k8_supported(n, k, group):
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
             if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
                 kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS

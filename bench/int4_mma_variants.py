@@ -1,0 +1,288 @@
+"""Variants of the tensor-core W4A16 kernel at the 8B decode shapes (one row), timed against the engine's kernel in
+one process (GPU): how the k8 tile order, the group-128 scale index and a pre-permuted x were chosen. Each variant's
+output is checked against the exact arithmetic (worst/bound <= 1); the loads-only variants bound what the memory
+system gives that access pattern. Results: bench/RESULTS.md ("the k8 tile order"), logs mma5_* / mma6_*.
+
+MODE bits of the kernel below: 1 the 16-row tile order (adopted: int4.k8_offset), 2 the next step's codes and scales
+loaded before this step's arithmetic, 4 loads only (no arithmetic), 8 each warp a contiguous range of K, 16 x staged
+in shared memory, 32 group 128 indexed without a division (adopted: GS = 128), 64 x pre-permuted into the B
+fragments' order (no PRMT; the variant reads x_perm, built here in torch). The device functions are _int4_cuda's.
+
+    python bench/int4_mma_variants.py [OUT.json]
+"""
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode as bench  # noqa: E402 - the decode bench's timing helpers
+
+from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4  # noqa: E402
+
+HELPERS = _int4_cuda.SOURCE[: _int4_cuda.SOURCE.index("// GS:")]
+SOURCE = HELPERS + r"""
+template <int WARPS, int UNROLL, int RT, int GS, bool BF16, int MODE, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
+w4x(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
+    u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
+    constexpr bool G128 = MODE & 32, XP = MODE & 64;
+    constexpr bool TILED = MODE & 1, PREF = MODE & 2, LOADONLY = MODE & 4, CONTIG = MODE & 8, XSH = MODE & 16;
+    constexpr int PER = GS ? 128 / GS : 1;
+    constexpr int NS = GS ? PER / 2 : 1;
+    __shared__ float red[WARPS][16 * RT][8];
+    extern __shared__ uint2 xs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16 * RT;
+    const int nb = K >> 7;
+    const int kw4 = K >> 5;
+    const u16* xp = x + (size_t)(g < M ? g : M - 1) * sx + 4 * t;
+    if (XSH) {  // M == 1 only: x[0, :] as uint2 (4 values) in shared memory
+        for (int i = threadIdx.x; i < (K >> 2); i += WARPS * 32) xs[i] = *reinterpret_cast<const uint2*>(x + 4 * i);
+        __syncthreads();
+    }
+    // the K blocks of this warp: strided (b = warp + WARPS * i) or contiguous (b = b0 + i)
+    const int per = (nb + WARPS - 1) / WARPS;
+    const int bstart = CONTIG ? warp * per : warp;
+    const int bend = CONTIG ? min(nb, bstart + per) : nb;
+    const int bstep = CONTIG ? 1 : WARPS;
+    float acc[RT][2][4];
+    u32 lacc = 0;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i >> 2][i & 3] = 0.f;
+    }
+    uint4 wn[UNROLL][RT][2];
+    u32 sn[UNROLL][RT][2][NS];
+    auto load = [&](int base, uint4 (&wv)[UNROLL][RT][2], u32 (&sv)[UNROLL][RT][2][NS]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = base + u * bstep;
+            if (b < bend) {
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int row = n0 + 16 * r + g + 8 * half;
+                        const size_t off = TILED ? (((size_t)(row >> 4) * nb + b) * 16 + (row & 15)) * 4 + t
+                                                 : (size_t)row * kw4 + 4 * b + t;
+                        wv[u][r][half] = ld_stream(w + off);
+#pragma unroll
+                        for (int q = 0; q < NS; ++q) {
+                            const int lo = GS ? PER * b + q : G128 ? b : (128 * b) / group;
+                            const int hi = GS ? lo + PER / 2 : lo;
+                            sv[u][r][half][q] = (u32)s[(size_t)lo * ss + row] | ((u32)s[(size_t)hi * ss + row] << 16);
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if (PREF) load(bstart, wn, sn);
+    for (int base = bstart; base < bend; base += bstep * UNROLL) {
+        uint4 wv[UNROLL][RT][2];
+        u32 sv[UNROLL][RT][2][NS];
+        if (PREF) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        wv[u][r][h] = wn[u][r][h];
+#pragma unroll
+                        for (int q = 0; q < NS; ++q) sv[u][r][h][q] = sn[u][r][h][q];
+                    }
+            if (base + bstep * UNROLL < bend) load(base + bstep * UNROLL, wn, sn);
+        } else {
+            load(base, wv, sv);
+        }
+        if (LOADONLY) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (base + u * bstep < bend)
+#pragma unroll
+                    for (int r = 0; r < RT; ++r)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            lacc ^= wv[u][r][h].x ^ wv[u][r][h].y ^ wv[u][r][h].z ^ wv[u][r][h].w ^ sv[u][r][h][0];
+            continue;
+        }
+        uint2 xv[UNROLL][XP ? 1 : 8];
+        uint4 xb[UNROLL][XP ? 4 : 1];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = base + u * bstep;
+            if (b < bend) {
+                if (XP) {
+                    const uint4* xq = reinterpret_cast<const uint4*>(x + (size_t)(g < M ? g : M - 1) * sx
+                                                                     + 128 * b + 32 * t);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) xb[u][i] = xq[i];
+                } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    xv[u][j] = XSH ? xs[32 * b + 4 * j + t] : *reinterpret_cast<const uint2*>(xp + 128 * b + 16 * j);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * bstep < bend) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int j0 = 2 * h, j1 = 2 * h + 1;
+                        const int q0 = j0 * NS / 4, q1 = j1 * NS / 4;
+                        constexpr int NX = XP ? 1 : 8;
+                        const u32 b0 = XP ? word(xb[u][e], 2 * h) : pair_of(xv[u][j0 % NX], xv[u][(j0 + 4) % NX], e);
+                        const u32 b1 = XP ? word(xb[u][e], 2 * h + 1)
+                                          : pair_of(xv[u][j1 % NX], xv[u][(j1 + 4) % NX], e);
+#pragma unroll
+                        for (int r = 0; r < RT; ++r) {
+                            const u32 wa = word(wv[u][r][0], e), wb = word(wv[u][r][1], e);
+                            const u32 a0 = dq_pair<BF16>(wa >> (4 * j0), sv[u][r][0][q0]);
+                            const u32 a1 = dq_pair<BF16>(wb >> (4 * j0), sv[u][r][1][q0]);
+                            const u32 a2 = dq_pair<BF16>(wa >> (4 * j1), sv[u][r][0][q1]);
+                            const u32 a3 = dq_pair<BF16>(wb >> (4 * j1), sv[u][r][1][q1]);
+                            mma16816<BF16>(acc[r][h], a0, a1, a2, a3, b0, b1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (LOADONLY) {
+        if (lacc == 0x9E3779B9u) y[0] = 1;
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        red[warp][16 * r + g][2 * t] = acc[r][0][0] + acc[r][1][0];
+        red[warp][16 * r + g][2 * t + 1] = acc[r][0][1] + acc[r][1][1];
+        red[warp][16 * r + g + 8][2 * t] = acc[r][0][2] + acc[r][1][2];
+        red[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 128 * RT; i += WARPS * 32) {
+        const int row = i >> 3, col = i & 7;
+        if (col < M) {
+            float v = 0.f;
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
+            y[(size_t)col * sy + n0 + row] = round16<BF16>(v);
+        }
+    }
+}
+"""
+
+
+def name(warps, unroll, tiles, mode, minb=1, gs=0, bf16=True):
+    return f"w4x<{warps}, {unroll}, {tiles}, {gs}, {'true' if bf16 else 'false'}, {mode}, {minb}>"
+
+
+SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
+BASE = [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (4, 1, 2)]
+MODES = (0, 1, 32, 33, 64, 65, 96, 97, 104, 105, 5)  # the second run (mma6); --first: the first run's set (mma5)
+FIRST = (0, 1, 8, 9, 16, 17, 4, 5, 12, 13)
+PREFETCH = (2, 3, 10, 11, 18, 19)  # capped at 64 registers (minb: w4 8 CTAs of 128, w8 4 of 256, w16 2 of 512)
+
+
+def variants(first: bool) -> list[tuple]:
+    if not first:
+        return [(w, u, r, m, 1) for w, u, r in BASE for m in MODES]
+    out = [(w, u, r, m, 1) for w, u, r in BASE + [(4, 2, 1)] for m in FIRST]
+    return out + [(w, 1, 1, m, {4: 8, 8: 4, 16: 2}[w]) for w in (4, 8, 16) for m in PREFETCH]
+
+
+def x_permuted(x: torch.Tensor) -> torch.Tensor:
+    """x with each thread's 16 B-fragment words contiguous: position 128b + 32t + 8e + 4h + 2c + p holds input
+    128b + 16(2h + c + 4p) + 4t + e."""
+    k = x.shape[1]
+    b, t, e, h, c, p = torch.meshgrid(*[torch.arange(d, device=x.device) for d in (k // 128, 4, 4, 2, 2, 2)],
+                                      indexing="ij")
+    return x[:, (128 * b + 16 * (2 * h + c + 4 * p) + 4 * t + e).reshape(-1)].contiguous()
+
+
+def row_order(q: torch.Tensor) -> torch.Tensor:
+    return int4._untile(q)
+
+
+def time_shape(mod, vs: list[tuple], names: list[str], n: int, k: int, g) -> list[dict]:
+    t = bench._sweep_tensors(1, n, k, g)
+    x, layers = t["x"], t["layers"]
+    tiles = [(q, st) for _, _, q, st in layers]  # the engine's layout
+    rows_ = [(row_order(q), st) for q, st in tiles]
+    xperm = x_permuted(x)
+    nbytes = n * k / 2 + n * k / 128 * 2
+    cfg = int4.CONFIGS.get((1, n, k))
+
+    def engine():
+        return [int4.k8_launch(x, q, st, None, 128, config=cfg) for q, st in tiles]
+
+    ref_us = bench.graph_us(engine) / len(tiles)
+    out = [{"name": f"engine {cfg}", "us": ref_us}]
+    y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    for (w, u, r, mode, minb), nm in zip(vs, names, strict=True):
+        if n % (16 * r):
+            continue
+        shared = (k // 4) * 8 if mode & 16 else 0
+        src = tiles if mode & 1 else rows_
+        args = (xperm if mode & 64 else x, n, k, w, r, nm, shared)
+
+        def run(q, st, a=args):
+            xx, n_, k_, w_, r_, nm_, sh = a
+            mod.launch(nm_, (n_ // (16 * r_), 1, 1), (32 * w_, 1, 1),
+                       [xx, q, st, y, 1, n_, k_, xx.stride(0), st.stride(0), y.stride(0), 128], shared=sh)
+
+        try:
+            worst = float("nan")
+            if not mode & 4:
+                y.zero_()
+                run(*src[0])
+                torch.cuda.synchronize()
+                worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
+            us = bench.graph_us(lambda s=src, f=run: [f(q, st) for q, st in s]) / len(src)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            us, err = float("inf"), f"{type(exc).__name__}: {str(exc)[:200]}"
+        out.append({"name": f"w{w}u{u}r{r} mode{mode} minb{minb}", "us": us, "worst": worst, "error": err})
+    for z in out:
+        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
+    return sorted(out, key=lambda z: z["us"])
+
+
+def main() -> int:
+    first = "--first" in sys.argv
+    dest = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
+    t0 = time.time()
+    vs = variants(first)
+    names = [name(*v) for v in vs]
+    cubin, lowered = cuda_rtc.compile_kernels(SOURCE, names, "90")
+    mod = cuda_rtc.Module(cubin, lowered)
+    print(f"compiled {len(names)} variants in {time.time() - t0:.1f}s", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "shapes": {}}
+    for n, k in SHAPES:
+        rows = time_shape(mod, vs, names, n, k, g)
+        res["shapes"][f"N{n}_K{k}"] = rows
+        print(f"== N={n} K={k} (% of a 4.28 TB/s copy)", flush=True)
+        for z in rows:
+            print(f"   {z['name']:44s} {z['us']:7.2f}us {z['pct_of_copy']:5.1f}% worst/bound "
+                  f"{z.get('worst', float('nan')):.3f} {z.get('error') or ''}", flush=True)
+        torch.cuda.empty_cache()
+    res["seconds"] = time.time() - t0
+    if dest:
+        Path(dest).write_text(json.dumps(res, indent=1, default=str))
+    print(f"done in {res['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
