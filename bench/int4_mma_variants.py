@@ -7,9 +7,13 @@ MODE bits of the kernel below: 1 the 16-row tile order (adopted: int4.k8_offset)
 loaded before this step's arithmetic, 4 loads only (no arithmetic), 8 each warp a contiguous range of K, 16 x staged
 in shared memory, 32 group 128 indexed without a division (adopted: GS = 128), 64 x pre-permuted into the B
 fragments' order (no PRMT; the variant reads x_perm, built here in torch). The device functions are _int4_cuda's.
+--tma: the engine's bulk-copy kernel (w4a16_k8_tma: a CTA's tile of codes and x staged by cp.async.bulk; adopted
+where it wins) at each warp count, against the engine's configuration, and a persistent variant (w4p: CTAs loop
+over tiles with 2-3 tiles of codes in flight; not adopted: slower). Logs mma8_* / mma9_*.
 
-    python bench/int4_mma_variants.py [OUT.json]
+    python bench/int4_mma_variants.py [--first | --tma] [OUT.json]
 """
+import ctypes
 import json
 import math
 import sys
@@ -23,7 +27,7 @@ import decode as bench  # noqa: E402 - the decode bench's timing helpers
 
 from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4  # noqa: E402
 
-HELPERS = _int4_cuda.SOURCE[: _int4_cuda.SOURCE.index("// GS:")]
+HELPERS = _int4_cuda.SOURCE  # device functions (and the engine's kernels)
 SOURCE = HELPERS + r"""
 template <int WARPS, int UNROLL, int RT, int GS, bool BF16, int MODE, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -180,6 +184,105 @@ w4x(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restric
         }
     }
 }
+
+// ---- persistent bulk-copy variant: CTAs loop over 16-row tiles (tile = blockIdx.x + i * gridDim.x), STAGES tiles
+// of codes in flight in shared memory (a stage refilled after the tile that read it is reduced), x staged once, the
+// next tile's scales loaded into registers a tile ahead. M == 1, group 128, nb == WARPS * SPW.
+template <int WARPS, int SPW, int STAGES, bool BF16>
+__global__ void __launch_bounds__(WARPS * 32)
+w4p(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
+    u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
+    extern __shared__ __align__(128) uint4 sm[];  // STAGES tiles of codes [NB * 64], then x [K / 8]
+    __shared__ __align__(8) unsigned long long bar[STAGES + 1];
+    __shared__ float red[WARPS][16];
+    constexpr int NB = WARPS * SPW;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int ntiles = N >> 4;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int c = 0; c <= STAGES; ++c) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bar[c])));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bulk_load(sm + STAGES * NB * 64, x, K * 2, &bar[STAGES]);
+#pragma unroll
+        for (int st = 0; st < STAGES; ++st) {
+            const int tile = blockIdx.x + st * gridDim.x;
+            if (tile < ntiles) bulk_load(sm + st * NB * 64, w + (size_t)tile * NB * 64, NB * 1024, &bar[st]);
+        }
+    }
+    u32 sv[SPW][2];
+    auto scales = [&](int tile) {
+#pragma unroll
+        for (int i = 0; i < SPW; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 v = s[(size_t)(warp + i * WARPS) * ss + tile * 16 + g + 8 * half];
+                sv[i][half] = v | (v << 16);
+            }
+        }
+    };
+    if (blockIdx.x < ntiles) scales(blockIdx.x);
+    bulk_wait(&bar[STAGES]);
+    const uint2* xs = reinterpret_cast<const uint2*>(sm + STAGES * NB * 64);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
+        const int st = it % STAGES;
+        const u32 parity = (it / STAGES) & 1;
+        u32 cur[SPW][2];
+#pragma unroll
+        for (int i = 0; i < SPW; ++i) { cur[i][0] = sv[i][0]; cur[i][1] = sv[i][1]; }
+        if (tile + gridDim.x < ntiles) scales(tile + gridDim.x);
+        float acc[2][4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i >> 2][i & 3] = 0.f;
+        {
+            u32 done = 0;
+            while (!done) {
+                asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                             "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(saddr(&bar[st])), "r"(parity) : "memory");
+            }
+        }
+        const uint4* tw = sm + st * NB * 64;
+#pragma unroll
+        for (int i = 0; i < SPW; ++i) {
+            const int b = warp + i * WARPS;
+            uint2 xv[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) xv[j] = xs[32 * b + 4 * j + t];
+            const uint4 w0 = tw[(b * 16 + g) * 4 + t], w1 = tw[(b * 16 + g + 8) * 4 + t];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int j0 = 2 * h, j1 = 2 * h + 1;
+                    const u32 b0 = pair_of(xv[j0], xv[j0 + 4], e);
+                    const u32 b1 = pair_of(xv[j1], xv[j1 + 4], e);
+                    const u32 wa = word(w0, e), wb = word(w1, e);
+                    mma16816<BF16>(acc[h], dq_pair<BF16>(wa >> (4 * j0), cur[i][0]),
+                                   dq_pair<BF16>(wb >> (4 * j0), cur[i][1]), dq_pair<BF16>(wa >> (4 * j1), cur[i][0]),
+                                   dq_pair<BF16>(wb >> (4 * j1), cur[i][1]), b0, b1);
+                }
+            }
+        }
+        if (t == 0) {
+            red[warp][g] = acc[0][0] + acc[1][0];
+            red[warp][g + 8] = acc[0][2] + acc[1][2];
+        }
+        __syncthreads();  // every warp has read stage st and written its partials
+        if (threadIdx.x == 0 && tile + STAGES * gridDim.x < ntiles)
+            bulk_load(sm + st * NB * 64, w + (size_t)(tile + STAGES * gridDim.x) * NB * 64, NB * 1024, &bar[st]);
+        if (threadIdx.x < 16) {
+            float v = 0.f;
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) v += red[k][threadIdx.x];
+            y[tile * 16 + threadIdx.x] = round16<BF16>(v);
+        }
+        __syncthreads();  // red is read before the next tile writes it
+    }
+}
 """
 
 
@@ -258,23 +361,93 @@ def time_shape(mod, vs: list[tuple], names: list[str], n: int, k: int, g) -> lis
     return sorted(out, key=lambda z: z["us"])
 
 
+TMA_WARPS = (4, 8, 16)
+
+
+def time_tma(n: int, k: int, g) -> list[dict]:
+    """The engine's bulk-copy kernel (int4.k8_launch with a "tma" configuration) against its CONFIGS entry."""
+    t = bench._sweep_tensors(1, n, k, g)
+    out = []
+    cfgs = [("engine", int4.CONFIGS.get((1, n, k))), ("engine mma default", int4.mma_config(k))]
+    cfgs += [(f"tma w{w}", {"mma": True, "tma": True, "warps": w}) for w in TMA_WARPS
+             if int4.tma_applies(1, n, k, 128, torch.bfloat16, "cuda", w)]
+    for label, cfg in cfgs:
+        us, why = bench._sweep_config(t, cfg)
+        out.append({"name": f"{label} {cfg}", "us": us, "error": why})
+    nbytes = n * k / 2 + n * k / 128 * 2
+    for z in out:
+        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
+    return out
+
+
+def pers_name(warps: int, spw: int, stages: int) -> str:
+    return f"w4p<{warps}, {spw}, {stages}, true>"
+
+
+PERS = [(8, 4, 2), (8, 4, 3), (4, 8, 2), (4, 8, 3), (16, 2, 2), (16, 2, 3)]  # K = 4096
+
+
+def time_pers(mod, n: int, k: int, g) -> list[dict]:
+    """The persistent bulk-copy variant: grid = CTAs that fit (shared memory, registers) x SMs, capped by tiles."""
+    t = bench._sweep_tensors(1, n, k, g)
+    x, layers = t["x"], t["layers"]
+    tiles = [(q, st) for _, _, q, st in layers]
+    cfg = int4.CONFIGS.get((1, n, k))
+    out = [{"name": f"engine {cfg}", "us": bench.graph_us(
+        lambda: [int4.k8_launch(x, q, st, None, 128, config=cfg) for q, st in tiles]) / len(tiles)}]
+    y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for w, spw, stages in (PERS if k == 4096 else []):
+        nm = pers_name(w, spw, stages)
+        shared = stages * (k // 128) * 1024 + k * 2
+        drv = cuda_rtc.driver()
+        cuda_rtc._cu_check(drv.cuFuncSetAttribute(mod.functions[nm], 8, shared), "smem")
+        occ = ctypes.c_int()
+        cuda_rtc._cu_check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(occ), mod.functions[nm], 32 * w, ctypes.c_size_t(shared)), "occupancy")
+        for mult in (1, 2):
+            ctas = min(n // 16, max(1, occ.value // mult) * sms)
+            try:
+
+                def run(q, st, nm=nm, w=w, shared=shared, ctas=ctas):
+                    mod.launch(nm, (ctas, 1, 1), (32 * w, 1, 1),
+                               [x, q, st, y, 1, n, k, x.stride(0), st.stride(0), y.stride(0), 128], shared=shared)
+                y.zero_()
+                run(*tiles[0])
+                torch.cuda.synchronize()
+                worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
+                us = bench.graph_us(lambda f=run: [f(q, st) for q, st in tiles]) / len(tiles)
+                err = None
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+                us, worst, err = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:200]}"
+            out.append({"name": f"{nm} ctas={ctas}", "us": us, "worst": worst, "error": err})
+    nbytes = n * k / 2 + n * k / 128 * 2
+    for z in out:
+        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
+    return sorted(out, key=lambda z: z["us"])
+
+
 def main() -> int:
     first = "--first" in sys.argv
     dest = next((a for a in sys.argv[1:] if not a.startswith("--")), None)
     t0 = time.time()
-    vs = variants(first)
+    tma = "--tma" in sys.argv
+    vs = [] if tma else variants(first)
     names = [name(*v) for v in vs]
+    if tma:
+        names += [pers_name(*v) for v in PERS]
     cubin, lowered = cuda_rtc.compile_kernels(SOURCE, names, "90")
     mod = cuda_rtc.Module(cubin, lowered)
     print(f"compiled {len(names)} variants in {time.time() - t0:.1f}s", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for n, k in SHAPES:
-        rows = time_shape(mod, vs, names, n, k, g)
+        rows = sorted(time_tma(n, k, g) + time_pers(mod, n, k, g)[1:], key=lambda z: z["us"]) if tma else \
+            time_shape(mod, vs, names, n, k, g)
         res["shapes"][f"N{n}_K{k}"] = rows
         print(f"== N={n} K={k} (% of a 4.28 TB/s copy)", flush=True)
         for z in rows:
-            print(f"   {z['name']:44s} {z['us']:7.2f}us {z['pct_of_copy']:5.1f}% worst/bound "
+            print(f"   {z['name'][:60]:60s} {z['us']:7.2f}us {z['pct_of_copy']:5.1f}% worst/bound "
                   f"{z.get('worst', float('nan')):.3f} {z.get('error') or ''}", flush=True)
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0

@@ -22,9 +22,11 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
         cuda_rtc.nvrtc()
     except cuda_rtc.RtcError as exc:
         pytest.skip(str(exc))
-    if arch == "90":  # every configuration the sweep times, the groups inside a block on one of them
+    if arch == "90":  # every configuration the sweep times, the groups inside a block on one of them, bulk copies
         names = _names(int4.MMA_SHAPES, (0, 128), (True,)) + _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64),
                                                                      (True, False))
+        names += [_int4_cuda.tma_name(w, spw, bf16) for w, spw in ((4, 8), (8, 4), (16, 2), (4, 1), (8, 8))
+                  for bf16 in (True, False)]
     else:
         names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64, 128), (True, False))
     log: list[str] = []
@@ -72,7 +74,8 @@ def _pair_of(p: tuple[int, int], q: tuple[int, int], e: int) -> int:
     return ((a >> 16) | (b & 0xFFFF0000)) if e & 1 else ((a & 0xFFFF) | ((b & 0xFFFF) << 16))
 
 
-def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
+def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int,
+             tma: bool = False) -> torch.Tensor:
     """The kernel (one warp a row tile, UNROLL 1) on bit patterns, expression for expression as _int4_cuda.SOURCE
     writes them: the 128-bit word loads, the scale pairs, the uint2 x loads, dq_pair, pair_of, the mma fragments
     (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64."""
@@ -92,8 +95,11 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
                 xr = xb[min(g, m - 1)]
                 for t in range(4):
                     rows = (n0 + g, n0 + g + 8)
-                    wt = (n0 >> 4) * tile + 4 * g + t  # the kernel's wt, then + b * 64 + 32 * half
-                    wv = [[words[4 * (wt + b * 64 + 32 * half) + e] for e in range(4)] for half in range(2)]
+                    if tma:  # w4a16_k8_tma: the tile staged whole, staged[(b * 16 + g + 8 half) * 4 + t]
+                        at = [(n0 >> 4) * tile + (b * 16 + g + 8 * half) * 4 + t for half in range(2)]
+                    else:  # w4a16_k8_mma: wt + b * 64 + 32 * half
+                        at = [(n0 >> 4) * tile + 4 * g + t + b * 64 + 32 * half for half in range(2)]
+                    wv = [[words[4 * a + e] for e in range(4)] for a in at]
                     xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
                            xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16))
                           for j in range(8)]
@@ -127,16 +133,16 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     return out
 
 
-@pytest.mark.parametrize("group", [16, 64, 128, 256])
-def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group):
+@pytest.mark.parametrize(("group", "tma"), [(16, False), (64, False), (128, False), (256, False), (128, True)])
+def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma):
     g = torch.Generator().manual_seed(3)
-    n, k, m = 32, 256, 3
+    n, k, m = 32, 256, 1 if tma else 3
     packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
     qweight, scales_t = int4.repack(packed, scales)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     exact = x.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
-    torch.testing.assert_close(_emulate(x, qweight, scales_t, group), exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma), exact, rtol=1e-12, atol=1e-12)
 
 
 def test_engine_does_not_pick_it_where_it_cannot_run():
@@ -150,6 +156,12 @@ def test_engine_does_not_pick_it_where_it_cannot_run():
     assert not int4.mma_applies(1, 40, 256, 64, torch.bfloat16)  # N not in tiles of 16
     assert not int4.mma_applies(1, 64, 256, 64, torch.float32)
     assert not int4.mma_ready(x, 64, 256, 64)  # a CPU tensor
+    assert int4.tma_shape(1, 28672, 4096, 128, torch.bfloat16, 8)  # the bulk-copy variant: gate|up at one row
+    assert not int4.tma_shape(2, 28672, 4096, 128, torch.bfloat16, 8)  # one row only
+    assert not int4.tma_shape(1, 28672, 4096, 64, torch.bfloat16, 8)  # group 128 only
+    assert not int4.tma_shape(1, 28672, 4096, 128, torch.bfloat16, 3)  # blocks in whole rounds of the warps
+    assert not int4.tma_shape(1, 4096, 14336, 128, torch.bfloat16, 16)  # staging over TMA_MAX_SHARED
+    assert not int4.tma_applies(1, 64, 512, 128, torch.bfloat16, "cpu", 4)
     cfg = int4.mma_config(14336)
     assert cfg["mma"] and 4 <= cfg["warps"] <= 16 and (cfg["warps"], cfg["unroll"], cfg["tiles"]) in int4.MMA_SHAPES
     with pytest.raises(ValueError, match="up to 8 rows"):

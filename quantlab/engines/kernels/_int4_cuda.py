@@ -17,6 +17,11 @@ LOP3 pair - and in (2t+8, 2t+9) the nibbles (2h+1, 2h+5); B's slots hold the x v
 Numerics (int4.py's contract): q * scale rounded once to the 16-bit type (RN, the packed FMA), products exact,
 fp32 accumulation in the tensor core; two accumulator sets (h) added at the end; a CTA's warps split K (warp w
 takes blocks w, w + WARPS, ...) and their partials are summed in warp order from shared memory: deterministic.
+
+w4a16_k8_tma (sm_90, one row, group 128): the same arithmetic and reduction, with the tile's codes and x staged in
+shared memory by bulk copies (cp.async.bulk + mbarriers) instead of per-thread loads; it won at gate|up (N 28672,
+K 4096: 19.8 against 22.4-22.8 us on the H200, bench/int4_mma_variants.py --tma) and lost at the other 8B shapes,
+so CONFIGS picks it per shape.
 """
 
 SOURCE = r"""
@@ -89,6 +94,50 @@ __device__ __forceinline__ u32 word(uint4 v, int e) {
     return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
+// One block of 128 inputs of one 16-row tile: the codes of rows g / g + 8 (w0 / w1: words 4t..4t+3), the block's
+// x values of batch row g (xv[j]: inputs 128b + 16j + 4t .. +3), the scale pairs of each row (NS a block).
+template <bool BF16, int NS>
+__device__ __forceinline__ void block_mma(float (&acc)[2][4], uint4 w0, uint4 w1, const uint2 (&xv)[8],
+                                          const u32 (&s0)[NS], const u32 (&s1)[NS]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j0 = 2 * h, j1 = 2 * h + 1;   // pairs (j0, j0 + 4) and (j1, j1 + 4)
+            const int q0 = j0 * NS / 4, q1 = j1 * NS / 4;
+            const u32 wa = word(w0, e), wb = word(w1, e);
+            mma16816<BF16>(acc[h], dq_pair<BF16>(wa >> (4 * j0), s0[q0]), dq_pair<BF16>(wb >> (4 * j0), s1[q0]),
+                           dq_pair<BF16>(wa >> (4 * j1), s0[q1]), dq_pair<BF16>(wb >> (4 * j1), s1[q1]),
+                           pair_of(xv[j0], xv[j0 + 4], e), pair_of(xv[j1], xv[j1 + 4], e));
+        }
+    }
+}
+
+// The warps' partials (acc of RT row tiles) summed in warp order from shared memory; batch rows < M written.
+template <int WARPS, int RT, bool BF16>
+__device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const float (&acc)[RT][2][4],
+                                       u16* __restrict__ y, int M, int sy, int n0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        red[warp][16 * r + g][2 * t] = acc[r][0][0] + acc[r][1][0];
+        red[warp][16 * r + g][2 * t + 1] = acc[r][0][1] + acc[r][1][1];
+        red[warp][16 * r + g + 8][2 * t] = acc[r][0][2] + acc[r][1][2];
+        red[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 128 * RT; i += WARPS * 32) {
+        const int row = i >> 3, col = i & 7;
+        if (col < M) {
+            float v = 0.f;
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
+            y[(size_t)col * sy + n0 + row] = round16<BF16>(v);
+        }
+    }
+}
+
 // GS: the group size when it is 16, 32, 64 (groups inside a block) or 128 (one a block); 0: a larger multiple of 128
 // (`group` at run time: a division a block).
 // RT: row tiles of 16 a warp (a CTA computes 16 RT rows); x's B fragments serve all of them.
@@ -142,46 +191,90 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
         for (int u = 0; u < UNROLL; ++u) {
             if (base + u * WARPS < nb) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int j0 = 2 * h, j1 = 2 * h + 1;   // pairs (j0, j0 + 4) and (j1, j1 + 4)
-                        const int q0 = j0 * NS / 4, q1 = j1 * NS / 4;
-                        const u32 b0 = pair_of(xv[u][j0], xv[u][j0 + 4], e);
-                        const u32 b1 = pair_of(xv[u][j1], xv[u][j1 + 4], e);
-#pragma unroll
-                        for (int r = 0; r < RT; ++r) {
-                            const u32 wa = word(wv[u][r][0], e), wb = word(wv[u][r][1], e);
-                            const u32 a0 = dq_pair<BF16>(wa >> (4 * j0), sv[u][r][0][q0]);
-                            const u32 a1 = dq_pair<BF16>(wb >> (4 * j0), sv[u][r][1][q0]);
-                            const u32 a2 = dq_pair<BF16>(wa >> (4 * j1), sv[u][r][0][q1]);
-                            const u32 a3 = dq_pair<BF16>(wb >> (4 * j1), sv[u][r][1][q1]);
-                            mma16816<BF16>(acc[r][h], a0, a1, a2, a3, b0, b1);
-                        }
-                    }
-                }
+                for (int r = 0; r < RT; ++r) block_mma<BF16, NS>(acc[r], wv[u][r][0], wv[u][r][1], xv[u], sv[u][r][0],
+                                                                   sv[u][r][1]);
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        red[warp][16 * r + g][2 * t] = acc[r][0][0] + acc[r][1][0];
-        red[warp][16 * r + g][2 * t + 1] = acc[r][0][1] + acc[r][1][1];
-        red[warp][16 * r + g + 8][2 * t] = acc[r][0][2] + acc[r][1][2];
-        red[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 128 * RT; i += WARPS * 32) {
-        const int row = i >> 3, col = i & 7;
-        if (col < M) {
-            float v = 0.f;
-#pragma unroll
-            for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
-            y[(size_t)col * sy + n0 + row] = round16<BF16>(v);
-        }
+    finish<WARPS, RT, BF16>(red, acc, y, M, sy, n0);
+}
+
+// TMA variant (sm_90): one row (M == 1), group 128, one 16-row tile a CTA, nb == WARPS * SPW. The tile's codes (one
+// contiguous nb KB in the k8 tile order) and x are staged in shared memory by bulk copies (cp.async.bulk, no
+// per-thread loads and no registers held for them), one mbarrier per chunk of WARPS blocks: chunk c holds block c of
+// every warp, so warps start on chunk 0 while the others land. The scales (one a row and block) are loaded first;
+// the arithmetic and the reduction are the kernel's above, value for value.
+__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(saddr(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar) {  // each barrier completes once: phase 0
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(saddr(bar)) : "memory");
     }
 }
+
+template <int WARPS, int SPW, bool BF16>
+__global__ void __launch_bounds__(WARPS * 32)
+w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
+             u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
+    extern __shared__ __align__(128) uint4 staged[];  // the tile's codes [NB * 64], then x [K / 8]
+    __shared__ __align__(8) unsigned long long bar[SPW + 1];
+    __shared__ float red[WARPS][16][8];
+    constexpr int NB = WARPS * SPW;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int c = 0; c <= SPW; ++c) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bar[c])));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bulk_load(staged + NB * 64, x, K * 2, &bar[SPW]);
+        const uint4* src = w + (size_t)blockIdx.x * NB * 64;
+#pragma unroll
+        for (int c = 0; c < SPW; ++c) bulk_load(staged + c * WARPS * 64, src + c * WARPS * 64, WARPS * 1024, &bar[c]);
+    }
+    u32 sv[SPW][2][1];
+#pragma unroll
+    for (int i = 0; i < SPW; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 v = s[(size_t)(warp + i * WARPS) * ss + n0 + g + 8 * half];
+            sv[i][half][0] = v | (v << 16);
+        }
+    }
+    float acc[1][2][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[0][i >> 2][i & 3] = 0.f;
+    bulk_wait(&bar[SPW]);
+    const uint2* xs = reinterpret_cast<const uint2*>(staged + NB * 64) + t;
+#pragma unroll
+    for (int i = 0; i < SPW; ++i) {
+        const int b = warp + i * WARPS;
+        uint2 xv[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xs[32 * b + 4 * j];
+        bulk_wait(&bar[i]);
+        block_mma<BF16, 1>(acc[0], staged[(b * 16 + g) * 4 + t], staged[(b * 16 + g + 8) * 4 + t], xv, sv[i][0],
+                           sv[i][1]);
+    }
+    finish<WARPS, 1, BF16>(red, acc, y, M, sy, n0);
+}
 """
+
+
+def tma_name(warps: int, spw: int, bf16: bool) -> str:
+    """The name expression of one instantiation of the bulk-copy variant (spw: blocks of 128 inputs a warp)."""
+    return f"w4a16_k8_tma<{warps}, {spw}, {'true' if bf16 else 'false'}>"
 
 
 def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool) -> str:

@@ -122,6 +122,12 @@ class Module:
             _cu_check(lib.cuModuleGetFunction(ctypes.byref(fn), self.module, sym.encode()), f"function {name}")
             self.functions[name] = fn
 
+    def allow_shared(self, name: str, nbytes: int) -> None:
+        """Let kernel `name` use up to nbytes of dynamic shared memory (above the default 48 KB where the device
+        has it)."""
+        _cu_check(driver().cuFuncSetAttribute(self.functions[name], 8, ctypes.c_int(nbytes)),  # MAX_DYNAMIC_SHARED
+                  f"shared memory of {name}")
+
     def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
                shared: int = 0) -> None:
         """args: tensors (their data pointers), Python ints (C int), or ctypes values as they are."""

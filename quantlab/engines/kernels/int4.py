@@ -224,14 +224,14 @@ def m_bucket(m: int) -> int:
 
 
 # (row class, N, K) -> configuration; bench/decode.py --check's sweep fills it for the run and prints it to commit.
-# One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the tensor-core kernel, the sweep's table from the
-# H200 run of bench/results/h200-2026-12-02/mma3_decode.log (where that kernel cannot run, k8_launch takes the
-# one-row Triton kernel's default instead).
+# One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the tensor-core kernel (gate|up its bulk-copy
+# variant), the sweep's table from the H200 runs bench/results/h200-2026-12-02/mma7_tiled_decode.log and
+# mma9_tma_decode.log (where that kernel cannot run, k8_launch takes the one-row Triton kernel's default instead).
 CONFIGS: dict[tuple[int, int, int], dict] = {
     (1, 4096, 4096): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
     (1, 4096, 14336): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
     (1, 6144, 4096): {"mma": True, "warps": 8, "unroll": 1, "tiles": 1},
-    (1, 28672, 4096): {"mma": True, "warps": 4, "unroll": 1, "tiles": 1},
+    (1, 28672, 4096): {"mma": True, "tma": True, "warps": 8},
 }
 
 
@@ -414,6 +414,30 @@ def mma_config(k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1
     return {"mma": True, "warps": warps, "unroll": unroll, "tiles": tiles}
 
 
+TMA_MAX_SHARED = 100 * 1024  # the bulk-copy variant's staging (codes of a tile + x): two CTAs an SM at least
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int) -> bool:
+    """Shapes the bulk-copy variant of the tensor-core kernel takes: one row, group 128, the K blocks in whole
+    rounds of `warps` (at most 8 a warp), its staging (a tile's codes and x) within TMA_MAX_SHARED."""
+    nb = k // 128
+    return (m == 1 and group == 128 and mma_applies(m, n, k, group, dtype) and nb % warps == 0
+            and nb // warps <= 8 and nb * 1024 + 2 * k <= TMA_MAX_SHARED)
+
+
+def tma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str,
+                warps: int) -> bool:
+    """tma_shape on a CUDA device of compute capability 9.0 or later (cp.async.bulk)."""
+    dev = torch.device(device)
+    return (tma_shape(m, n, k, group, dtype, warps) and dev.type == "cuda"
+            and _capability(dev.index if dev.index is not None else torch.cuda.current_device()) >= (9, 0))
+
+
 def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     """Shapes and dtypes the tensor-core kernel takes: up to MMA_ROWS rows, N a multiple of 16, the k8 layout, a
     16-bit compute dtype."""
@@ -433,7 +457,8 @@ def mma_ready(x: torch.Tensor, n: int, k: int, group: int) -> bool:
 
 def k8_kernels(device: str, dtype: torch.dtype) -> str:
     """What multiplies a k8-layout layer on this device and dtype, in words (the engine's kernel description)."""
-    few = "CUDA tensor-core kernel (NVRTC) for one row" if mma_on(device, dtype) else "triton one-row GEMV"
+    few = ("CUDA tensor-core kernel (NVRTC; its bulk-copy variant where CONFIGS picks it) for one row"
+           if mma_on(device, dtype) else "triton one-row GEMV")
     return f"W4A16, weights kept packed (k8 layout): {few}, triton split-K GEMM for more rows"
 
 
@@ -444,14 +469,17 @@ class MmaUnavailable(RuntimeError):
 _MMA_BAD: dict = {}
 
 
-def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype):
+def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype, k_of_tma: int = 0):
     """(module, name) of the configuration's instantiation on this device: compiled on first use and checked on one
     small case against float64 before it multiplies anything (MmaUnavailable, with the reason, where either
     fails; remembered for the process)."""
     from quantlab.engines.kernels import _int4_cuda, cuda_rtc
 
-    gs = group if group <= 128 else 0
-    name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), gs, dtype == torch.bfloat16)
+    bf16 = dtype == torch.bfloat16
+    if cfg.get("tma"):
+        name = _int4_cuda.tma_name(cfg["warps"], k_of_tma // 128 // cfg["warps"], bf16)
+    else:
+        name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), group if group <= 128 else 0, bf16)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
     if key in _MMA_BAD:
@@ -463,11 +491,15 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype)
                 torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
                 _MMA_MODULES[key] = cuda_rtc.Module(*cuda_rtc.compile_kernels(_int4_cuda.SOURCE, [name],
                                                                                  f"{major}{minor}"))
+                if cfg.get("tma"):
+                    _MMA_MODULES[key].allow_shared(name, (k_of_tma // 128) * 1024 + 2 * k_of_tma)
         except cuda_rtc.RtcError as exc:
             _MMA_BAD[key] = f"{name} on cuda:{index}: {exc}"
             raise MmaUnavailable(_MMA_BAD[key]) from exc
-        k = 2 * max(128, group)
-        case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), k, group, True)
+        if cfg.get("tma"):  # its instantiation is for one K; the smallest N and one row
+            case = (1, 16, k_of_tma, group, True)
+        else:
+            case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, True)
         bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
                                         variants=((name, cfg),)))
         if bad:
@@ -492,12 +524,18 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
                          f"{qweight.dtype}")
     if pqs is not None:
         x = x * pqs
-    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+    tma = cfg.get("tma") and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
+    if cfg.get("tma") and not tma:  # the register-fed kernel: the same arithmetic
+        cfg = mma_config(k)
+        rows = 16
+    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh (aligned) contiguous copy
-    module, name = _mma_kernel(x.device, cfg, group, x.dtype)
+    module, name = _mma_kernel(x.device, cfg, group, x.dtype, k if tma else 0)
+    shared = (k // 128) * 1024 + 2 * k if tma else 0
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
-                      [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group])
+                      [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
+                      shared=shared)
     return y
 
 
@@ -609,7 +647,8 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
             if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
                 kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS
-                            if n % (16 * cfg.get("tiles", 1)) == 0]
+                            if n % (16 * cfg.get("tiles", 1)) == 0
+                            and (not cfg.get("tma") or tma_applies(rows, n, k, group, dtype, device, cfg["warps"]))]
             _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
     return out
 
@@ -620,7 +659,8 @@ MMA_CHECK_CASES = ((1, 96, 512, 128, True), (1, 32, 2048, 256, False), (8, 64, 3
                    (3, 32, 256, 16, True))
 MMA_VARIANTS = (("k8_mma_w4u2", {"mma": True, "warps": 4, "unroll": 2, "tiles": 1}),
                 ("k8_mma_w8u1", {"mma": True, "warps": 8, "unroll": 1, "tiles": 1}),
-                ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}))
+                ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}),
+                ("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}))  # where tma_applies (one row, group 128)
 _USABLE: dict = {}
 
 
@@ -658,6 +698,8 @@ def sweep_candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
         if torch.cuda.is_available() and mma_on("cuda", torch.bfloat16):  # the tensor-core kernel first
             out += [mma_config(k, w, u, r) for w, u, r in MMA_SHAPES if n % (16 * r) == 0]
+            out += [{"mma": True, "tma": True, "warps": w} for w in (4, 8, 16)
+                    if tma_applies(1, n, k, 128, torch.bfloat16, "cuda", w)]
         for block_n, bpi, warps in ((64, 2, 4), (128, 1, 4), (64, 1, 4), (256, 1, 4)):
             base = k8_gemv_config(n, k, "cuda" if torch.cuda.is_available() else "cpu", block_n, bpi, warps)
             splits = valid_splits(k, base["bpi"])
