@@ -75,10 +75,12 @@ def _pair_of(p: tuple[int, int], q: tuple[int, int], e: int) -> int:
 
 
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int,
-             tma: bool = False) -> torch.Tensor:
+             tma_warps: int = 0) -> torch.Tensor:
     """The kernel (one warp a row tile, UNROLL 1) on bit patterns, expression for expression as _int4_cuda.SOURCE
     writes them: the 128-bit word loads, the scale pairs, the uint2 x loads, dq_pair, pair_of, the mma fragments
-    (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64."""
+    (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64.
+    tma_warps: w4a16_k8_tma with that many warps instead (one row, group 128): each CTA's staging built from its
+    chunk copies, then the codes, x and scales read from it as that kernel reads them."""
     m, k = x.shape
     n = qweight.shape[0]
     words = [int(v) & 0xFFFFFFFF for v in qweight.flatten().tolist()]  # the memory the kernel reads
@@ -88,30 +90,51 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     per = 128 // group if group < 128 else 1
     ns = per // 2 if group < 128 else 1
     out = torch.zeros(m, n, dtype=torch.float64)
+    nb = k // 128
+
+    def fetch_mma(n0: int, b: int, g: int, t: int):
+        xr = xb[min(g, m - 1)]
+        at = [(n0 >> 4) * tile + 4 * g + t + b * 64 + 32 * half for half in range(2)]  # wt + b * 64 + 32 * half
+        wv = [[words[4 * a + e] for e in range(4)] for a in at]
+        xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
+               xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16)) for j in range(8)]
+        sv = []
+        for r in (n0 + g, n0 + g + 8):
+            pairs = []
+            for q in range(ns):
+                lo = per * b + q if group < 128 else (128 * b) // group
+                hi = lo + per // 2 if group < 128 else lo
+                pairs.append(sb[lo][r] | (sb[hi][r] << 16))
+            sv.append(pairs)
+        return wv, xv, sv
+
+    staged: dict = {}  # tile -> the CTA's shared memory as 32-bit words: codes [nb * 64 * 4], then x
+
+    def fetch_tma(n0: int, b: int, g: int, t: int):
+        warps = tma_warps
+        spw = nb // warps
+        if n0 not in staged:
+            src = (n0 // 16) * nb * 64  # w + blockIdx.x * NB * 64 (uint4)
+            mem = [0] * (nb * 64 * 4)
+            for c in range(spw):  # bulk_load(staged + c * WARPS * 64, src + c * WARPS * 64, WARPS * 1024)
+                lo = 4 * (c * warps * 64)
+                mem[lo: lo + warps * 256] = words[4 * (src + c * warps * 64): 4 * (src + c * warps * 64) + warps * 256]
+            xr = xb[0]
+            mem += [xr[2 * i] | (xr[2 * i + 1] << 16) for i in range(k // 2)]  # bulk_load(staged + NB * 64, x)
+            staged[n0] = mem
+        mem = staged[n0]
+        i = b // warps  # block b = warp + i * WARPS: that warp waits bar[i], whose copy must hold the block
+        assert i * warps * 64 <= b * 64 and b * 64 + 64 <= (i + 1) * warps * 64
+        wv = [[mem[4 * ((b * 16 + g + 8 * half) * 4 + t) + e] for e in range(4)] for half in range(2)]
+        xs = nb * 64 * 4 + 2 * t  # (const uint2*)(staged + NB * 64) + t, then xs[32 * b + 4 * j]
+        xv = [(mem[xs + 2 * (32 * b + 4 * j)], mem[xs + 2 * (32 * b + 4 * j) + 1]) for j in range(8)]
+        sv = [[sb[b][n0 + g + 8 * half] | (sb[b][n0 + g + 8 * half] << 16)] for half in range(2)]
+        return wv, xv, sv
+
+    fetch = fetch_tma if tma_warps else fetch_mma
     for n0 in range(0, n, 16):
         for b in range(k // 128):
-            frag = {}  # (g, t) -> words of rows g / g + 8, x pairs, scale pairs
-            for g in range(8):
-                xr = xb[min(g, m - 1)]
-                for t in range(4):
-                    rows = (n0 + g, n0 + g + 8)
-                    if tma:  # w4a16_k8_tma: the tile staged whole, staged[(b * 16 + g + 8 half) * 4 + t]
-                        at = [(n0 >> 4) * tile + (b * 16 + g + 8 * half) * 4 + t for half in range(2)]
-                    else:  # w4a16_k8_mma: wt + b * 64 + 32 * half
-                        at = [(n0 >> 4) * tile + 4 * g + t + b * 64 + 32 * half for half in range(2)]
-                    wv = [[words[4 * a + e] for e in range(4)] for a in at]
-                    xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
-                           xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16))
-                          for j in range(8)]
-                    sv = []
-                    for r in rows:
-                        pairs = []
-                        for q in range(ns):
-                            lo = per * b + q if group < 128 else (128 * b) // group
-                            hi = lo + per // 2 if group < 128 else lo
-                            pairs.append(sb[lo][r] | (sb[hi][r] << 16))
-                        sv.append(pairs)
-                    frag[g, t] = (wv, xv, sv)
+            frag = {(g, t): fetch(n0, b, g, t) for g in range(8) for t in range(4)}  # words, x pairs, scale pairs
             for e in range(4):
                 for h in range(2):
                     j0, j1 = 2 * h, 2 * h + 1
@@ -133,16 +156,17 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     return out
 
 
-@pytest.mark.parametrize(("group", "tma"), [(16, False), (64, False), (128, False), (256, False), (128, True)])
-def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma):
+@pytest.mark.parametrize(("group", "tma_warps", "k"), [(16, 0, 256), (64, 0, 256), (128, 0, 256), (256, 0, 256),
+                                                      (128, 4, 1024), (128, 8, 1024)])
+def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma_warps, k):
     g = torch.Generator().manual_seed(3)
-    n, k, m = 32, 256, 1 if tma else 3
+    n, m = 32, 1 if tma_warps else 3
     packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
     qweight, scales_t = int4.repack(packed, scales)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     exact = x.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
-    torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma), exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma_warps), exact, rtol=1e-12, atol=1e-12)
 
 
 def test_engine_does_not_pick_it_where_it_cannot_run():

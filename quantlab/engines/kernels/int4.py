@@ -345,7 +345,7 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if cfg.get("mma"):
         try:
-            return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y)
+            return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y, explicit=config is not None)
         except MmaUnavailable as exc:
             if config is not None:
                 raise
@@ -432,10 +432,11 @@ def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int
 
 def tma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str,
                 warps: int) -> bool:
-    """tma_shape on a CUDA device of compute capability 9.0 or later (cp.async.bulk)."""
+    """tma_shape on a CUDA device of compute capability 9.x or 10.x (cp.async.bulk, and 227 KB of shared memory a
+    block: consumer parts of later generations have 99 KB)."""
     dev = torch.device(device)
     return (tma_shape(m, n, k, group, dtype, warps) and dev.type == "cuda"
-            and _capability(dev.index if dev.index is not None else torch.cuda.current_device()) >= (9, 0))
+            and _capability(dev.index if dev.index is not None else torch.cuda.current_device())[0] in (9, 10))
 
 
 def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -496,12 +497,20 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
         except cuda_rtc.RtcError as exc:
             _MMA_BAD[key] = f"{name} on cuda:{index}: {exc}"
             raise MmaUnavailable(_MMA_BAD[key]) from exc
-        if cfg.get("tma"):  # its instantiation is for one K; the smallest N and one row
-            case = (1, 16, k_of_tma, group, True)
+        if cfg.get("tma"):  # its instantiation is for one K; two tiles (two CTAs) and one row
+            case = (1, 32, k_of_tma, group, True)
         else:
             case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, True)
-        bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
-                                        variants=((name, cfg),)))
+        rows: list = []
+
+        def first_use():
+            rows.extend(check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
+                              variants=((name, cfg),)))
+            return rows
+
+        bad = failed_rows(first_use)
+        if not rows and not bad:
+            bad = [{"error": "the first-use check ran no case"}]
         if bad:
             del _MMA_MODULES[key]
             _MMA_BAD[key] = f"{name} on cuda:{index} failed its first-use check: {bad[:1]}"
@@ -509,10 +518,14 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     return _MMA_MODULES[key], name
 
 
+_TMA_SAID: set = set()
+
+
 def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
-            cfg: dict, y: torch.Tensor) -> torch.Tensor:
+            cfg: dict, y: torch.Tensor, explicit: bool = False) -> torch.Tensor:
     """Up to MMA_ROWS rows on tensor cores into y [M, N] (x times pre_quant_scale rounded to x's dtype first, as
-    the reference)."""
+    the reference). A bulk-copy configuration the shape or device does not take, or whose kernel cannot run, runs
+    the register-fed kernel (the same arithmetic) when routed here, and raises when asked for (explicit)."""
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
@@ -524,13 +537,25 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
                          f"{qweight.dtype}")
     if pqs is not None:
         x = x * pqs
-    tma = cfg.get("tma") and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
-    if cfg.get("tma") and not tma:  # the register-fed kernel: the same arithmetic
-        cfg = mma_config(k)
-        rows = 16
+    tma = bool(cfg.get("tma")) and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
+    if cfg.get("tma") and not tma:
+        if explicit:
+            raise ValueError(f"the bulk-copy W4A16 kernel takes one row, group 128, K in whole rounds of "
+                             f"{cfg['warps']} warps (at most 8 blocks a warp) on compute capability 9.x / 10.x; got "
+                             f"M={m}, K={k}, group {group}")
+        cfg, rows = mma_config(k), 16  # routed here by a CONFIGS entry: the register-fed kernel, same arithmetic
     if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh (aligned) contiguous copy
-    module, name = _mma_kernel(x.device, cfg, group, x.dtype, k if tma else 0)
+    try:
+        module, name = _mma_kernel(x.device, cfg, group, x.dtype, k if tma else 0)
+    except MmaUnavailable as exc:
+        if not tma or explicit:
+            raise
+        if (x.device, k) not in _TMA_SAID:
+            _TMA_SAID.add((x.device, k))
+            log.warning("int4: %s; the register-fed tensor-core kernel runs instead", exc)
+        cfg, rows, tma = mma_config(k), 16, False
+        module, name = _mma_kernel(x.device, cfg, group, x.dtype)
     shared = (k // 128) * 1024 + 2 * k if tma else 0
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
@@ -547,7 +572,16 @@ def mma_usable(device: str, dtype: torch.dtype) -> bool:
         dev = torch.device("cuda", torch.cuda.current_device())
     key = (str(dev), dtype)
     if key not in _MMA_USABLE:
-        bad = failed_rows(lambda: check(str(dev), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",)))
+        rows: list = []
+
+        def startup():
+            rows.extend(check(str(dev), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",),
+                              variants=MMA_VARIANTS))
+            return rows
+
+        bad = failed_rows(startup)
+        if not rows and not bad:
+            bad = [{"error": "no case of the check ran the kernel"}]
         if bad:
             log.warning("int4: the tensor-core W4A16 kernel is not used on %s %s (%s); the Triton kernels run",
                         device, dtype, bad[:2])
@@ -646,7 +680,7 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
             if "k8" in layouts and k8_supported(n, k, group):
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
             if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
-                kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS
+                kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS + TMA_VARIANTS
                             if n % (16 * cfg.get("tiles", 1)) == 0
                             and (not cfg.get("tma") or tma_applies(rows, n, k, group, dtype, device, cfg["warps"]))]
             _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
@@ -659,8 +693,10 @@ MMA_CHECK_CASES = ((1, 96, 512, 128, True), (1, 32, 2048, 256, False), (8, 64, 3
                    (3, 32, 256, 16, True))
 MMA_VARIANTS = (("k8_mma_w4u2", {"mma": True, "warps": 4, "unroll": 2, "tiles": 1}),
                 ("k8_mma_w8u1", {"mma": True, "warps": 8, "unroll": 1, "tiles": 1}),
-                ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}),
-                ("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}))  # where tma_applies (one row, group 128)
+                ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}))
+# the bulk-copy variant where tma_applies (one row, group 128): in check()'s default set, not in mma_usable's (a
+# failure of it alone leaves the register-fed kernel in use; its instantiations are checked on first use)
+TMA_VARIANTS = (("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}),)
 _USABLE: dict = {}
 
 
