@@ -166,23 +166,7 @@ w4x(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restric
         if (lacc == 0x9E3779B9u) y[0] = 1;
         return;
     }
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        red[warp][16 * r + g][2 * t] = acc[r][0][0] + acc[r][1][0];
-        red[warp][16 * r + g][2 * t + 1] = acc[r][0][1] + acc[r][1][1];
-        red[warp][16 * r + g + 8][2 * t] = acc[r][0][2] + acc[r][1][2];
-        red[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 128 * RT; i += WARPS * 32) {
-        const int row = i >> 3, col = i & 7;
-        if (col < M) {
-            float v = 0.f;
-#pragma unroll
-            for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
-            y[(size_t)col * sy + n0 + row] = round16<BF16>(v);
-        }
-    }
+    finish<WARPS, RT, BF16>(red, acc, y, M, sy, n0);  // the engine kernel's reduction
 }
 
 // ---- persistent bulk-copy variant: CTAs loop over 16-row tiles (tile = blockIdx.x + i * gridDim.x), STAGES tiles
