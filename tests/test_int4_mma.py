@@ -227,3 +227,11 @@ def test_k8_layout_holds_every_code_where_k8_offset_says():
             assert nibbles == [int(codes[row, 128 * b + 16 * j + i]) + 8 for j in range(8)]
     with pytest.raises(ValueError, match="tiles of 16"):
         int4.repack(packed[:20], scales[:40])
+
+
+def test_a_kernel_check_that_ran_nothing_or_raised_is_a_failure():
+    assert int4.failed_rows(lambda: [{"ok": True}]) == []
+    assert int4.failed_rows(lambda: [{"ok": True}, {"ok": False, "kernel": "k"}]) == [{"ok": False, "kernel": "k"}]
+    assert int4.failed_rows(lambda: []) == [{"error": "the check ran no case"}]
+    assert "ValueError: boom" in int4.failed_rows(lambda: (_ for _ in ()).throw(ValueError("boom")))[0]["error"]
+    assert int4.tma_shared(4096) == 32 * 1024 + 8 * 1024  # a 16-row tile's codes at K 4096, then x

@@ -370,9 +370,8 @@ def ptx16(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether 16-bit packed PTX runs here: bf16 / fp16 on a CUDA device of compute capability 8.0 or later, not in
     Triton's interpreter (which runs the same arithmetic written in Triton). The one-row Triton kernel's PTX
     dequantization needs it, and the tensor-core kernel (mma_on)."""
-    device = torch.device(device)
-    return (dtype in (torch.bfloat16, torch.float16) and device.type == "cuda" and not interpreted()
-            and torch.cuda.get_device_capability(device) >= (8, 0))
+    return (dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cuda" and not interpreted()
+            and _capability(device) >= (8, 0))
 
 
 def _k8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
@@ -417,9 +416,21 @@ def mma_config(k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1
 TMA_MAX_SHARED = 100 * 1024  # the bulk-copy variant's staging (codes of a tile + x): two CTAs an SM at least
 
 
+def tma_shared(k: int) -> int:
+    """Bytes of dynamic shared memory the bulk-copy variant stages for K inputs: a 16-row tile's codes (1 KB a block
+    of 128 inputs) and one row of x (16-bit)."""
+    return (k // 128) * 1024 + 2 * k
+
+
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
+def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device | str) -> tuple[int, int]:
+    """A CUDA device's compute capability (the current device where it names none), queried once per device."""
+    dev = torch.device(device)
+    return _capability_of(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int) -> bool:
@@ -427,16 +438,15 @@ def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int
     rounds of `warps` (at most 8 a warp), its staging (a tile's codes and x) within TMA_MAX_SHARED."""
     nb = k // 128
     return (m == 1 and group == 128 and mma_applies(m, n, k, group, dtype) and nb % warps == 0
-            and nb // warps <= 8 and nb * 1024 + 2 * k <= TMA_MAX_SHARED)
+            and nb // warps <= 8 and tma_shared(k) <= TMA_MAX_SHARED)
 
 
 def tma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device | str,
                 warps: int) -> bool:
     """tma_shape on a CUDA device of compute capability 9.x or 10.x (cp.async.bulk, and 227 KB of shared memory a
     block: consumer parts of later generations have 99 KB)."""
-    dev = torch.device(device)
-    return (tma_shape(m, n, k, group, dtype, warps) and dev.type == "cuda"
-            and _capability(dev.index if dev.index is not None else torch.cuda.current_device())[0] in (9, 10))
+    return (tma_shape(m, n, k, group, dtype, warps) and torch.device(device).type == "cuda"
+            and _capability(device)[0] in (9, 10))
 
 
 def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -486,14 +496,14 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     if key in _MMA_BAD:
         raise MmaUnavailable(_MMA_BAD[key])
     if key not in _MMA_MODULES:
-        major, minor = torch.cuda.get_device_capability(index)
+        major, minor = _capability(f"cuda:{index}")
         try:
             with torch.cuda.device(index):
                 torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
                 _MMA_MODULES[key] = cuda_rtc.Module(*cuda_rtc.compile_kernels(_int4_cuda.SOURCE, [name],
                                                                                  f"{major}{minor}"))
                 if cfg.get("tma"):
-                    _MMA_MODULES[key].allow_shared(name, (k_of_tma // 128) * 1024 + 2 * k_of_tma)
+                    _MMA_MODULES[key].allow_shared(name, tma_shared(k_of_tma))
         except cuda_rtc.RtcError as exc:
             _MMA_BAD[key] = f"{name} on cuda:{index}: {exc}"
             raise MmaUnavailable(_MMA_BAD[key]) from exc
@@ -501,16 +511,8 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
             case = (1, 32, k_of_tma, group, True)
         else:
             case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, True)
-        rows: list = []
-
-        def first_use():
-            rows.extend(check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
-                              variants=((name, cfg),)))
-            return rows
-
-        bad = failed_rows(first_use)
-        if not rows and not bad:
-            bad = [{"error": "the first-use check ran no case"}]
+        bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
+                                        variants=((name, cfg),)))
         if bad:
             del _MMA_MODULES[key]
             _MMA_BAD[key] = f"{name} on cuda:{index} failed its first-use check: {bad[:1]}"
@@ -556,7 +558,7 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
             log.warning("int4: %s; the register-fed tensor-core kernel runs instead", exc)
         cfg, rows, tma = mma_config(k), 16, False
         module, name = _mma_kernel(x.device, cfg, group, x.dtype)
-    shared = (k // 128) * 1024 + 2 * k if tma else 0
+    shared = tma_shared(k) if tma else 0
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
                       [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
@@ -572,16 +574,8 @@ def mma_usable(device: str, dtype: torch.dtype) -> bool:
         dev = torch.device("cuda", torch.cuda.current_device())
     key = (str(dev), dtype)
     if key not in _MMA_USABLE:
-        rows: list = []
-
-        def startup():
-            rows.extend(check(str(dev), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",),
-                              variants=MMA_VARIANTS))
-            return rows
-
-        bad = failed_rows(startup)
-        if not rows and not bad:
-            bad = [{"error": "no case of the check ran the kernel"}]
+        bad = failed_rows(lambda: check(str(dev), dtypes=(dtype,), cases=MMA_CHECK_CASES, layouts=("mma",),
+                                        variants=MMA_VARIANTS))
         if bad:
             log.warning("int4: the tensor-core W4A16 kernel is not used on %s %s (%s); the Triton kernels run",
                         device, dtype, bad[:2])
@@ -701,12 +695,15 @@ _USABLE: dict = {}
 
 
 def failed_rows(run) -> list[dict]:
-    """The rows of a kernel check (run()) that did not pass; a check that raises is one failed row saying why (the
-    startup checks of the k8 kernels and of the FP8 GEMV)."""
+    """The rows of a kernel check (run()) that did not pass; a check that raises, or that ran no case, is one failed
+    row saying why (the startup and first-use checks of the k8 kernels, the tensor-core kernel and the FP8 GEMV)."""
     try:
-        return [r for r in run() if not r["ok"]]
+        rows = run()
     except Exception as exc:  # noqa: BLE001 - the kernel is not used then, and the caller says why
         return [{"error": f"{type(exc).__name__}: {exc}"}]
+    if not rows:
+        return [{"error": "the check ran no case"}]
+    return [r for r in rows if not r["ok"]]
 
 
 def k8_usable(device: str, dtype: torch.dtype) -> bool:
