@@ -14,7 +14,6 @@ over tiles with 2-3 tiles of codes in flight; not adopted: slower). Logs mma8_* 
     python bench/int4_mma_variants.py [--first | --tma] [OUT.json]
 """
 import ctypes
-import json
 import math
 import sys
 import time
@@ -301,66 +300,70 @@ def row_order(q: torch.Tensor) -> torch.Tensor:
     return int4._untile(q)
 
 
-def time_shape(mod, vs: list[tuple], names: list[str], n: int, k: int, g) -> list[dict]:
-    t = bench._sweep_tensors(1, n, k, g)
-    x, layers = t["x"], t["layers"]
-    tiles = [(q, st) for _, _, q, st in layers]  # the engine's layout
+COPY_BYTES_PER_S = 4.28e12  # the H200's device-to-device copy (bench/decode.py's environment): the % column's base
+
+
+def _ranked(rows: list[dict], n: int, k: int) -> list[dict]:
+    """Rows sorted by time, each with its share of the copy bandwidth (codes and group-128 scales read)."""
+    nbytes = n * k / 2 + n * k / 128 * 2
+    for z in rows:
+        z["pct_of_copy"] = nbytes / (z["us"] * 1e-6) / COPY_BYTES_PER_S * 100 if math.isfinite(z["us"]) else 0.0
+    return sorted(rows, key=lambda z: z["us"])
+
+
+def _checked_us(run, src: list, y: torch.Tensor, t: dict, exact: bool = True) -> dict:
+    """A variant's output on the first copy against the exact answer (worst/bound; skipped for loads-only
+    variants), then its microseconds per call over every copy; a variant that fails says why."""
+    try:
+        worst = float("nan")
+        if exact:
+            y.zero_()
+            run(*src[0])
+            torch.cuda.synchronize()
+            worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
+        return {"us": bench.graph_us(lambda: [run(q, st) for q, st in src]) / len(src), "worst": worst,
+                "error": None}
+    except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+        return {"us": float("inf"), "worst": float("nan"), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def time_shape(mod, vs: list[tuple], names: list[str], t: dict, n: int, k: int) -> list[dict]:
+    """The MODE variants, and the engine's kernel at its CONFIGS entry, on one shape's tensors t."""
+    x, tiles = t["x"], [(q, st) for _, _, q, st in t["layers"]]  # the engine's layout
     rows_ = [(row_order(q), st) for q, st in tiles]
     xperm = x_permuted(x)
-    nbytes = n * k / 2 + n * k / 128 * 2
     cfg = int4.CONFIGS.get((1, n, k))
-
-    def engine():
-        return [int4.k8_launch(x, q, st, None, 128, config=cfg) for q, st in tiles]
-
-    ref_us = bench.graph_us(engine) / len(tiles)
-    out = [{"name": f"engine {cfg}", "us": ref_us}]
+    us, why = bench._sweep_config(t, cfg)
+    out = [{"name": f"engine {cfg}", "us": us, "error": why}]
     y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
     for (w, u, r, mode, minb), nm in zip(vs, names, strict=True):
         if n % (16 * r):
             continue
+        xx = xperm if mode & 64 else x
         shared = (k // 4) * 8 if mode & 16 else 0
-        src = tiles if mode & 1 else rows_
-        args = (xperm if mode & 64 else x, n, k, w, r, nm, shared)
 
-        def run(q, st, a=args):
-            xx, n_, k_, w_, r_, nm_, sh = a
-            mod.launch(nm_, (n_ // (16 * r_), 1, 1), (32 * w_, 1, 1),
-                       [xx, q, st, y, 1, n_, k_, xx.stride(0), st.stride(0), y.stride(0), 128], shared=sh)
+        def run(q, st, xx=xx, w=w, r=r, nm=nm, shared=shared):
+            mod.launch(nm, (n // (16 * r), 1, 1), (32 * w, 1, 1),
+                       [xx, q, st, y, 1, n, k, xx.stride(0), st.stride(0), y.stride(0), 128], shared=shared)
 
-        try:
-            worst = float("nan")
-            if not mode & 4:
-                y.zero_()
-                run(*src[0])
-                torch.cuda.synchronize()
-                worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
-            us = bench.graph_us(lambda s=src, f=run: [f(q, st) for q, st in s]) / len(src)
-            err = None
-        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
-            us, err = float("inf"), f"{type(exc).__name__}: {str(exc)[:200]}"
-        out.append({"name": f"w{w}u{u}r{r} mode{mode} minb{minb}", "us": us, "worst": worst, "error": err})
-    for z in out:
-        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
-    return sorted(out, key=lambda z: z["us"])
+        res = _checked_us(run, tiles if mode & 1 else rows_, y, t, exact=not mode & 4)
+        out.append({"name": f"w{w}u{u}r{r} mode{mode} minb{minb}", **res})
+    return _ranked(out, n, k)
 
 
 TMA_WARPS = (4, 8, 16)
 
 
-def time_tma(n: int, k: int, g) -> list[dict]:
-    """The engine's bulk-copy kernel (int4.k8_launch with a "tma" configuration) against its CONFIGS entry."""
-    t = bench._sweep_tensors(1, n, k, g)
-    out = []
+def time_tma(t: dict, n: int, k: int) -> list[dict]:
+    """The engine's bulk-copy kernel (int4.k8_launch with a "tma" configuration) at each warp count, against the
+    engine's CONFIGS entry and the register-fed kernel's default."""
     cfgs = [("engine", int4.CONFIGS.get((1, n, k))), ("engine mma default", int4.mma_config(k))]
     cfgs += [(f"tma w{w}", {"mma": True, "tma": True, "warps": w}) for w in TMA_WARPS
              if int4.tma_applies(1, n, k, 128, torch.bfloat16, "cuda", w)]
+    out = []
     for label, cfg in cfgs:
         us, why = bench._sweep_config(t, cfg)
         out.append({"name": f"{label} {cfg}", "us": us, "error": why})
-    nbytes = n * k / 2 + n * k / 128 * 2
-    for z in out:
-        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
     return out
 
 
@@ -371,44 +374,30 @@ def pers_name(warps: int, spw: int, stages: int) -> str:
 PERS = [(8, 4, 2), (8, 4, 3), (4, 8, 2), (4, 8, 3), (16, 2, 2), (16, 2, 3)]  # K = 4096
 
 
-def time_pers(mod, n: int, k: int, g) -> list[dict]:
-    """The persistent bulk-copy variant: grid = CTAs that fit (shared memory, registers) x SMs, capped by tiles."""
-    t = bench._sweep_tensors(1, n, k, g)
-    x, layers = t["x"], t["layers"]
-    tiles = [(q, st) for _, _, q, st in layers]
-    cfg = int4.CONFIGS.get((1, n, k))
-    out = [{"name": f"engine {cfg}", "us": bench.graph_us(
-        lambda: [int4.k8_launch(x, q, st, None, 128, config=cfg) for q, st in tiles]) / len(tiles)}]
+def time_pers(mod, t: dict, n: int, k: int) -> list[dict]:
+    """The persistent bulk-copy variant: grid = CTAs that fit an SM (the driver's occupancy, and half of it) x
+    SMs, capped by the tiles."""
+    x, tiles = t["x"], [(q, st) for _, _, q, st in t["layers"]]
     y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    drv = cuda_rtc.driver()
+    out = []
     for w, spw, stages in (PERS if k == 4096 else []):
         nm = pers_name(w, spw, stages)
         shared = stages * (k // 128) * 1024 + k * 2
-        drv = cuda_rtc.driver()
-        cuda_rtc._cu_check(drv.cuFuncSetAttribute(mod.functions[nm], 8, shared), "smem")
+        mod.allow_shared(nm, shared)
         occ = ctypes.c_int()
         cuda_rtc._cu_check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(occ), mod.functions[nm], 32 * w, ctypes.c_size_t(shared)), "occupancy")
         for mult in (1, 2):
             ctas = min(n // 16, max(1, occ.value // mult) * sms)
-            try:
 
-                def run(q, st, nm=nm, w=w, shared=shared, ctas=ctas):
-                    mod.launch(nm, (ctas, 1, 1), (32 * w, 1, 1),
-                               [x, q, st, y, 1, n, k, x.stride(0), st.stride(0), y.stride(0), 128], shared=shared)
-                y.zero_()
-                run(*tiles[0])
-                torch.cuda.synchronize()
-                worst = float(((y.double() - t["exact"]).abs() / t["bound"]).max())
-                us = bench.graph_us(lambda f=run: [f(q, st) for q, st in tiles]) / len(tiles)
-                err = None
-            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
-                us, worst, err = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:200]}"
-            out.append({"name": f"{nm} ctas={ctas}", "us": us, "worst": worst, "error": err})
-    nbytes = n * k / 2 + n * k / 128 * 2
-    for z in out:
-        z["pct_of_copy"] = nbytes / z["us"] / 4.28e6 * 100 if math.isfinite(z["us"]) else 0.0
-    return sorted(out, key=lambda z: z["us"])
+            def run(q, st, nm=nm, w=w, shared=shared, ctas=ctas):
+                mod.launch(nm, (ctas, 1, 1), (32 * w, 1, 1),
+                           [x, q, st, y, 1, n, k, x.stride(0), st.stride(0), y.stride(0), 128], shared=shared)
+
+            out.append({"name": f"{nm} ctas={ctas}", **_checked_us(run, tiles, y, t)})
+    return out
 
 
 def main() -> int:
@@ -426,19 +415,17 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for n, k in SHAPES:
-        rows = sorted(time_tma(n, k, g) + time_pers(mod, n, k, g)[1:], key=lambda z: z["us"]) if tma else \
-            time_shape(mod, vs, names, n, k, g)
+        t = bench._sweep_tensors(1, n, k, g)  # one set of tensors a shape: every variant reads the same copies
+        rows = _ranked(time_tma(t, n, k) + time_pers(mod, t, n, k), n, k) if tma else \
+            time_shape(mod, vs, names, t, n, k)
         res["shapes"][f"N{n}_K{k}"] = rows
-        print(f"== N={n} K={k} (% of a 4.28 TB/s copy)", flush=True)
+        print(f"== N={n} K={k} (% of a {COPY_BYTES_PER_S / 1e12:.2f} TB/s copy)", flush=True)
         for z in rows:
             print(f"   {z['name'][:60]:60s} {z['us']:7.2f}us {z['pct_of_copy']:5.1f}% worst/bound "
                   f"{z.get('worst', float('nan')):.3f} {z.get('error') or ''}", flush=True)
+        del t
         torch.cuda.empty_cache()
-    res["seconds"] = time.time() - t0
-    if dest:
-        Path(dest).write_text(json.dumps(res, indent=1, default=str))
-    print(f"done in {res['seconds']:.0f}s")
-    return 0
+    return bench.finish(res, t0, dest)
 
 
 if __name__ == "__main__":
