@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 from quantlab.engines import decode, qlayers  # noqa: E402
 from quantlab.engines.base import Engine, Limits  # noqa: E402
 from quantlab.engines.hf import HFModelEngine  # noqa: E402
+from quantlab.engines.kernels import cuda_rtc  # noqa: E402
 
 START = time.time()
 DEVICE = "cuda"  # --smoke: "cpu" (the script's own logic on tiny shapes, nothing timed that matters)
@@ -139,9 +140,11 @@ def environment() -> dict:
     bandwidth = 2 * src.numel() * 2 / (ms / 1e3)  # bytes read + written per second
     del src, dst
     out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
-           "transformers": transformers.__version__, "triton": triton_version, "copy_bandwidth_GBps": bandwidth / 1e9}
+           "transformers": transformers.__version__, "triton": triton_version, "copy_bandwidth_GBps": bandwidth / 1e9,
+           "pdl": cuda_rtc.pdl_on(DEVICE)}
     say(f"{out['gpu']}: torch {out['torch']}, transformers {out['transformers']}, triton {triton_version}; "
-        f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)")
+        f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); programmatic dependent launch "
+        f"{'on' if out['pdl'] else 'off'} (QUANTLAB_PDL)")
     return out
 
 
@@ -494,18 +497,24 @@ def engine_for(prec: str, reference, export_dirs: dict):
 
 def profile_step(dec) -> dict:
     """Kernels of one uncaptured decode step (compiled layers if the decoder compiles), by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
     tokens, pos, position = dec.tokens.clone(), dec.pos.clone(), dec.position
     with torch.no_grad():
         dec._step(dec.max_len, dec.compile)
         sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            dec._step(dec.max_len, dec.compile)
-            sync()
+        out = profile_kernels(lambda: dec._step(dec.max_len, dec.compile))
     dec.tokens.copy_(tokens)
     dec.pos.copy_(pos)
     dec.position = position
+    return out
+
+
+def profile_kernels(run) -> dict:
+    """Kernels of one call of run(), by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
     rows = [(e.key, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total, e.count)
             for e in prof.key_averages()]
     rows = [r for r in rows if r[1] > 0]
@@ -551,6 +560,12 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
                     times.append((time.time() - t) * 1e3)
                 row["prefill_ms"] = statistics.median(times)
                 row["prefill_tokens_per_s"] = batch * context / (row["prefill_ms"] / 1e3)
+                if args.profile and batch == max(args.prefill_batches) and elapsed() < args.budget_s - 60:
+                    row["prefill_profile"] = profile_kernels(functools.partial(dec.prefill, prompts))
+                    p = row["prefill_profile"]
+                    say(f"    profile of one prefill at B={batch}: {p['kernels']} kernels, {p['gpu_us'] / 1e3:.1f} ms "
+                        "GPU; top: " + "; ".join(f"{k['kernel'][:48]} {k['us'] / 1e3:.1f}ms x{k['count']}"
+                                                 for k in p["top"][:10]))
             dec.prefill(prompts)
             t = time.time()
             dec.step()  # warm-up, compilation and capture

@@ -112,6 +112,24 @@ def test_cached_greedy_equals_full_recompute(family, family_model, eager_compile
     assert stats["unique_graphs"] == (2 if family in ("gemma2", "gemma3_text") else 1), stats
 
 
+@pytest.mark.parametrize("vocab", [128256, 49152, 32000, 151936, 1000, 997, 64])
+def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        x = torch.randn(3, vocab, generator=g)
+        if trial % 3 == 0:
+            x = torch.round(x * 2) / 2  # many equal maxima
+        if trial % 4 == 1:
+            x[1, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
+        if trial % 5 == 2:
+            x[2] = float("-inf")
+        if trial % 6 == 3:
+            x[0] = 1.0  # every value the maximum
+        if trial % 7 == 4:
+            x[1, -1] = x.max() + 1  # the maximum in the last chunk's last place
+        assert torch.equal(decode.first_argmax(x), x.argmax(-1)), (vocab, trial)
+
+
 def test_kv_layer_fp8_is_stored_in_e4m3_and_equals_qdq():
     g = torch.Generator().manual_seed(0)
     k_scale, v_scale = torch.tensor(0.02), torch.tensor(0.05)

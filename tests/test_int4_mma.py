@@ -37,6 +37,19 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
     assert "spill" not in "".join(log), log
 
 
+def test_programmatic_launch_structs_have_the_driver_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as the CUDA headers lay them out (64-bit): the
+    config's stream at byte 32 after seven 32-bit fields and padding, the attribute's value union at byte 8."""
+    import ctypes
+
+    assert ctypes.sizeof(cuda_rtc._LaunchAttribute) == 72 and cuda_rtc._LaunchAttribute.value.offset == 8
+    config = cuda_rtc._LaunchConfig
+    assert (config.sharedMemBytes.offset, config.hStream.offset, config.attrs.offset, config.numAttrs.offset) == (
+        24, 32, 40, 48)
+    assert ctypes.sizeof(config) == 56
+    assert not cuda_rtc.pdl_on("cpu")
+
+
 def test_compile_error_is_reported_with_the_compiler_log():
     try:
         cuda_rtc.nvrtc()
@@ -80,7 +93,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     writes them: the 128-bit word loads, the scale pairs, the uint2 x loads, dq_pair, pair_of, the mma fragments
     (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64.
     tma_warps: w4a16_k8_tma with that many warps instead (one row, group 128): each CTA's staging built from its
-    chunk copies, then the codes, x and scales read from it as that kernel reads them."""
+    chunk copies, the codes read from it and x and the scales from global memory, as that kernel reads them."""
     m, k = x.shape
     n = qweight.shape[0]
     words = [int(v) & 0xFFFFFFFF for v in qweight.flatten().tolist()]  # the memory the kernel reads
@@ -108,7 +121,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
             sv.append(pairs)
         return wv, xv, sv
 
-    staged: dict = {}  # tile -> the CTA's shared memory as 32-bit words: codes [nb * 64 * 4], then x
+    staged: dict = {}  # tile -> the CTA's shared memory as 32-bit words: codes [nb * 64 * 4]
 
     def fetch_tma(n0: int, b: int, g: int, t: int):
         warps = tma_warps
@@ -119,15 +132,14 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
             for c in range(spw):  # bulk_load(staged + c * WARPS * 64, src + c * WARPS * 64, WARPS * 1024)
                 lo = 4 * (c * warps * 64)
                 mem[lo: lo + warps * 256] = words[4 * (src + c * warps * 64): 4 * (src + c * warps * 64) + warps * 256]
-            xr = xb[0]
-            mem += [xr[2 * i] | (xr[2 * i + 1] << 16) for i in range(k // 2)]  # bulk_load(staged + NB * 64, x)
             staged[n0] = mem
         mem = staged[n0]
         i = b // warps  # block b = warp + i * WARPS: that warp waits bar[i], whose copy must hold the block
         assert i * warps * 64 <= b * 64 and b * 64 + 64 <= (i + 1) * warps * 64
         wv = [[mem[4 * ((b * 16 + g + 8 * half) * 4 + t) + e] for e in range(4)] for half in range(2)]
-        xs = nb * 64 * 4 + 2 * t  # (const uint2*)(staged + NB * 64) + t, then xs[32 * b + 4 * j]
-        xv = [(mem[xs + 2 * (32 * b + 4 * j)], mem[xs + 2 * (32 * b + 4 * j) + 1]) for j in range(8)]
+        xw = [xb[0][2 * i] | (xb[0][2 * i + 1] << 16) for i in range(k // 2)]  # x as 32-bit words
+        xs = 2 * t  # (const uint2*)x + t, then xs[32 * b + 4 * j]
+        xv = [(xw[xs + 2 * (32 * b + 4 * j)], xw[xs + 2 * (32 * b + 4 * j) + 1]) for j in range(8)]
         sv = [[sb[b][n0 + g + 8 * half] | (sb[b][n0 + g + 8 * half] << 16)] for half in range(2)]
         return wv, xv, sv
 
@@ -234,4 +246,4 @@ def test_a_kernel_check_that_ran_nothing_or_raised_is_a_failure():
     assert int4.failed_rows(lambda: [{"ok": True}, {"ok": False, "kernel": "k"}]) == [{"ok": False, "kernel": "k"}]
     assert int4.failed_rows(lambda: []) == [{"error": "the check ran no case"}]
     assert "ValueError: boom" in int4.failed_rows(lambda: (_ for _ in ()).throw(ValueError("boom")))[0]["error"]
-    assert int4.tma_shared(4096) == 32 * 1024 + 8 * 1024  # a 16-row tile's codes at K 4096, then x
+    assert int4.tma_shared(4096) == 32 * 1024  # a 16-row tile's codes at K 4096

@@ -32,12 +32,16 @@ def decode_attention(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, ks_ptr, vs_ptr, ws_ptr
                      stride_ob, stride_oh, HKV, scaling, softcap, window,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_L: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                     SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr):
+                     SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
     """One query token per sequence over a static cache: program (sequence x KV head, split) holds the G query
     heads that share the KV head and reads positions [split * TILES * BLOCK_L, +TILES * BLOCK_L) of it, keeping
     those allowed (window start <= l <= pos, pos read from the step's position tensor), with an online softmax in
     fp32. Splits write (max, sum, unnormalized output) to the workspace; the program arriving last for its
-    (sequence, KV head) combines them in split order and writes o [B, 1, Hq, D]."""
+    (sequence, KV head) combines them in split order and writes o [B, 1, Hq, D]. PDL (launched as a programmatic
+    dependent): wait for the previous kernels before anything is read or written, then let the next one start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     dtype = o_ptr.dtype.element_ty

@@ -14,7 +14,7 @@ def _step(acc, x_ptr, w_ptr, rows, m, kk, K: tl.constexpr):
 @triton.jit
 def fp8_gemv(x_ptr, w_ptr, sa_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, N,  # noqa: PLR0913
              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             UNROLL: tl.constexpr):
+             UNROLL: tl.constexpr, PDL: tl.constexpr = False):
     """y [M, N] = (x [M, K] @ W [N, K]^T) * (scale_a * scale_b), x and W E4M3 codes, with FMAs (no tensor cores).
 
     Program (n tile, K split, row m) reads BLOCK_N weight rows x K/SPLIT_K inputs, BLOCK_K a step (16 contiguous
@@ -23,7 +23,11 @@ def fp8_gemv(x_ptr, w_ptr, sa_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, N,  # noqa: P
     once at the end. Rows past N read row N - 1 (no masked loads) and are not stored. With SPLIT_K > 1 each program
     writes its fp32 partial to the workspace and bumps its tile's counter (an int32 arrival count; values are never
     added atomically); the program that arrives last sums the SPLIT_K partials in split order (deterministic),
-    scales, rounds, writes y and re-arms the counter at 0 for the next launch."""
+    scales, rounds, writes y and re-arms the counter at 0 for the next launch. PDL (launched as a programmatic
+    dependent): wait for the previous kernels before anything is read or written, then let the next one start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)

@@ -22,6 +22,11 @@ w4a16_k8_tma (sm_90, one row, group 128): the same arithmetic and reduction, wit
 shared memory by bulk copies (cp.async.bulk + mbarriers) instead of per-thread loads; it won at gate|up (N 28672,
 K 4096: 19.8 against 22.4-22.8 us on the H200, bench/int4_mma_variants.py --tma) and lost at the other 8B shapes,
 so CONFIGS picks it per shape.
+
+Both are launched as programmatic dependents on compute capability 9.0+ (cuda_rtc.PDL): the bulk-copy kernel
+requests its tile's codes and reads its scales before it waits for the previous kernel (griddepcontrol.wait), so the
+first codes arrive while that kernel ends; the register-fed kernel waits first (loading its first codes, or
+prefetching its tile into L2, before the wait measured slower: 2.33 and 2.34 against 2.28 ms a token).
 """
 
 SOURCE = r"""
@@ -33,6 +38,23 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+}
+
+// Programmatic dependent launch (compute capability 9.0+; no-ops where the grid was launched without it, and compiled
+// out for older targets): pdl_wait() blocks until the stream's previous kernels have ended and their writes are
+// visible - nothing is read from x or written to y before it; pdl_release() lets the next kernel start (it waits in
+// turn), called only after pdl_wait so that every kernel before ours has ended when it does. What a kernel does
+// before pdl_wait reads only its constant weights, so it overlaps the previous kernel's tail.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // nibbles at bits 0..3 and 16..19 of t -> (u - 8) * s per 16-bit half, s the packed scale pair; one RN rounding.
@@ -148,6 +170,8 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     constexpr int PER = GS ? 128 / GS : 1;       // groups in a block of 128 inputs
     constexpr int NS = PER > 1 ? PER / 2 : 1;    // distinct scale pairs a row and block
     __shared__ float red[WARPS][16 * RT][8];
+    pdl_wait();  // nothing before it: loading the first codes early measured slower (bench/results, 2026-12-02)
+    pdl_release();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * RT;
@@ -161,12 +185,11 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[r][i >> 2][i & 3] = 0.f;
     }
-    for (int base = warp; base < nb; base += WARPS * UNROLL) {
-        uint4 wv[UNROLL][RT][2];
-        uint2 xv[UNROLL][8];
-        u32 sv[UNROLL][RT][2][NS];
+    uint4 wv[UNROLL][RT][2];
+    u32 sv[UNROLL][RT][2][NS];
+    auto load_codes = [&](int base) {  // a step's codes and scales
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {   // every load of the step first
+        for (int u = 0; u < UNROLL; ++u) {
             const int b = base + u * WARPS;
             if (b < nb) {
 #pragma unroll
@@ -183,6 +206,16 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
                         }
                     }
                 }
+            }
+        }
+    };
+    for (int base = warp; base < nb; base += WARPS * UNROLL) {
+        load_codes(base);
+        uint2 xv[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = base + u * WARPS;
+            if (b < nb) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) xv[u][j] = *reinterpret_cast<const uint2*>(xp + 128 * b + 16 * j);
             }
@@ -200,10 +233,12 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 }
 
 // TMA variant (sm_90): one row (M == 1), group 128, one 16-row tile a CTA, nb == WARPS * SPW. The tile's codes (one
-// contiguous nb KB in the k8 tile order) and x are staged in shared memory by bulk copies (cp.async.bulk, no
-// per-thread loads and no registers held for them), one mbarrier per chunk of WARPS blocks: chunk c holds block c of
-// every warp, so warps start on chunk 0 while the others land. The scales (one a row and block) are loaded first;
-// the arithmetic and the reduction are the kernel's above, value for value.
+// contiguous nb KB in the k8 tile order) are staged in shared memory by bulk copies (cp.async.bulk, no per-thread
+// loads and no registers held for them), one mbarrier per chunk of WARPS blocks: chunk c holds block c of every warp,
+// so warps start on chunk 0 while the others land. The codes and the scales (one a row and block) are requested
+// before pdl_wait (they are constant), x after it by per-thread loads (x staged by a bulk copy queued behind the
+// codes came later: 2-3 us slower at gate|up). The arithmetic and the reduction are the kernel's above, value for
+// value.
 __device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
@@ -224,8 +259,8 @@ template <int WARPS, int SPW, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
              u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
-    extern __shared__ __align__(128) uint4 staged[];  // the tile's codes [NB * 64], then x [K / 8]
-    __shared__ __align__(8) unsigned long long bar[SPW + 1];
+    extern __shared__ __align__(128) uint4 staged[];  // the tile's codes [NB * 64]
+    __shared__ __align__(8) unsigned long long bar[SPW];
     __shared__ float red[WARPS][16][8];
     constexpr int NB = WARPS * SPW;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -233,12 +268,11 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     const int n0 = blockIdx.x * 16;
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int c = 0; c <= SPW; ++c) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bar[c])));
+        for (int c = 0; c < SPW; ++c) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bar[c])));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        bulk_load(staged + NB * 64, x, K * 2, &bar[SPW]);
+    if (threadIdx.x == 0) {  // the codes first: they do not depend on the previous kernel (pdl_wait below)
         const uint4* src = w + (size_t)blockIdx.x * NB * 64;
 #pragma unroll
         for (int c = 0; c < SPW; ++c) bulk_load(staged + c * WARPS * 64, src + c * WARPS * 64, WARPS * 1024, &bar[c]);
@@ -255,8 +289,9 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     float acc[1][2][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[0][i >> 2][i & 3] = 0.f;
-    bulk_wait(&bar[SPW]);
-    const uint2* xs = reinterpret_cast<const uint2*>(staged + NB * 64) + t;
+    pdl_wait();
+    pdl_release();
+    const uint2* xs = reinterpret_cast<const uint2*>(x) + t;  // inputs 128b + 16j + 4t .. +3 of block b
 #pragma unroll
     for (int i = 0; i < SPW; ++i) {
         const int b = warp + i * WARPS;
@@ -281,3 +316,4 @@ def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool) -> str:
     """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, 128, or 0 for
     groups that are larger multiples of 128)."""
     return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {'true' if bf16 else 'false'}>"
+

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from quantlab.engines.kernels import cuda_rtc
 from quantlab.engines.kernels.int4 import _sm_count, available, interpreted
 from quantlab.engines.kernels.scratch import Scratch
 
@@ -76,6 +77,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
     out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
     ws, cnt = _SCRATCH.get(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
     k_scale, v_scale = scales if scales is not None else (ws, ws)
+    pdl = not interpreted() and cuda_rtc.pdl_on(q.device)
     _attention_triton.decode_attention[(b * hkv, nsplit)](
         q, k_cache, v_cache, out, pos, k_scale, v_scale, ws, cnt,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -83,7 +85,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
         float(scaling), float(softcap or 1.0), int(window or 0),
         G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l(d), TILES=per, SPLITS=nsplit,
         FP8=scales is not None, SOFTCAP=bool(softcap), F32_DOT=q.dtype == torch.float32 or interpreted(),
-        num_warps=4, num_stages=2)
+        PDL=pdl, num_warps=4, num_stages=2, **({"launch_pdl": True} if pdl else {}))
     del triton
     return out
 

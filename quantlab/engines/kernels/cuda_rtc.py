@@ -16,6 +16,25 @@ import sys
 
 import torch
 
+# Programmatic dependent launch (PDL) of the engine's own decode kernels and of the compiled layers' kernels on
+# compute capability 9.0+: a kernel starts while the previous one ends and waits (griddepcontrol.wait) before it
+# touches what that one wrote, so its weight loads overlap the previous kernel's tail. QUANTLAB_PDL=0 turns it off
+# (each kernel then starts when the previous one has ended), for a comparison or a driver that refuses it.
+PDL = os.environ.get("QUANTLAB_PDL", "1") != "0"
+
+
+@functools.cache
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_on(device: torch.device | str) -> bool:
+    """Whether kernels on this device are launched as programmatic dependents (PDL and compute capability 9.0+)."""
+    dev = torch.device(device)
+    if not PDL or dev.type != "cuda":
+        return False
+    return _major(dev.index if dev.index is not None else torch.cuda.current_device()) >= 9
+
 
 class RtcError(RuntimeError):
     """NVRTC or the CUDA driver is missing or refused a step (the message says which and why)."""
@@ -129,8 +148,11 @@ class Module:
                   f"shared memory of {name}")
 
     def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
-               shared: int = 0) -> None:
-        """args: tensors (their data pointers), Python ints (C int), or ctypes values as they are."""
+               shared: int = 0, pdl: bool = False) -> None:
+        """args: tensors (their data pointers), Python ints (C int), or ctypes values as they are. pdl: launch as a
+        programmatic dependent of the stream's previous kernel (compute capability 9.0 and later): the kernel may
+        start before that one ends and must execute `griddepcontrol.wait` before it reads what the previous kernels
+        wrote or writes anything (the kernels here read only constant weights before it)."""
         cargs = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -141,5 +163,28 @@ class Module:
                 cargs.append(a)
         ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cargs])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _cu_check(driver().cuLaunchKernel(self.functions[name], *grid, *block, shared, stream, ptrs, None),
-                  f"launch {name}")
+        if not pdl:
+            _cu_check(driver().cuLaunchKernel(self.functions[name], *grid, *block, shared, stream, ptrs, None),
+                      f"launch {name}")
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig(*grid, *block, shared, stream, ctypes.pointer(attr), 1)
+        _cu_check(driver().cuLaunchKernelEx(ctypes.byref(config), self.functions[name], ptrs, None),
+                  f"launch {name} (programmatic dependent)")
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (its first int is the flag here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuLaunchKernelEx."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from quantlab.engines.kernels import cuda_rtc
 from quantlab.engines.kernels.int4 import _sm_count, available, failed_rows, first_split, interpreted
 from quantlab.engines.kernels.scratch import Scratch
 
@@ -95,10 +96,12 @@ def launch(xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: to
     split = cfg["split_k"]
     grid = (triton.cdiv(n, cfg["block_n"]), split, m)
     ws, cnt = _SCRATCH.get(xq.device, split * m * n if split > 1 else 0, grid[0] * m)
+    pdl = not interpreted() and cuda_rtc.pdl_on(xq.device)
     _fp8_triton.fp8_gemv[grid](xq, w, scale_a.float().reshape(()), scale_b.float().reshape(()), y, ws, cnt, n, k,
                                BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=split,
-                               UNROLL=bool(cfg.get("unroll", False)),
-                               num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
+                               UNROLL=bool(cfg.get("unroll", False)), PDL=pdl,
+                               num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
+                               **({"launch_pdl": True} if pdl else {}))
     return y
 
 

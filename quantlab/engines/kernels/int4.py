@@ -230,7 +230,7 @@ def m_bucket(m: int) -> int:
 CONFIGS: dict[tuple[int, int, int], dict] = {
     (1, 4096, 4096): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
     (1, 4096, 14336): {"mma": True, "warps": 16, "unroll": 1, "tiles": 1},
-    (1, 6144, 4096): {"mma": True, "warps": 8, "unroll": 1, "tiles": 1},
+    (1, 6144, 4096): {"mma": True, "tma": True, "warps": 8},
     (1, 28672, 4096): {"mma": True, "tma": True, "warps": 8},
 }
 
@@ -413,13 +413,13 @@ def mma_config(k: int, warps: int | None = None, unroll: int = 1, tiles: int = 1
     return {"mma": True, "warps": warps, "unroll": unroll, "tiles": tiles}
 
 
-TMA_MAX_SHARED = 100 * 1024  # the bulk-copy variant's staging (codes of a tile + x): two CTAs an SM at least
+TMA_MAX_SHARED = 100 * 1024  # the bulk-copy variant's staging (codes of a tile): two CTAs an SM at least
 
 
 def tma_shared(k: int) -> int:
     """Bytes of dynamic shared memory the bulk-copy variant stages for K inputs: a 16-row tile's codes (1 KB a block
-    of 128 inputs) and one row of x (16-bit)."""
-    return (k // 128) * 1024 + 2 * k
+    of 128 inputs)."""
+    return (k // 128) * 1024
 
 
 @functools.cache
@@ -559,10 +559,12 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         cfg, rows, tma = mma_config(k), 16, False
         module, name = _mma_kernel(x.device, cfg, group, x.dtype)
     shared = tma_shared(k) if tma else 0
+    from quantlab.engines.kernels import cuda_rtc
+
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
                       [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
-                      shared=shared)
+                      shared=shared, pdl=cuda_rtc.pdl_on(x.device))
     return y
 
 
