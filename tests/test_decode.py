@@ -128,6 +128,8 @@ def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
         if trial % 7 == 4:
             x[1, -1] = x.max() + 1  # the maximum in the last chunk's last place
         assert torch.equal(decode.first_argmax(x), x.argmax(-1)), (vocab, trial)
+    strided = torch.randn(vocab, 2, generator=g).t()  # a [2, V] view whose rows are not contiguous
+    assert torch.equal(decode.first_argmax(strided), strided.argmax(-1))
 
 
 def test_kv_layer_fp8_is_stored_in_e4m3_and_equals_qdq():

@@ -382,7 +382,7 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     chunks = next((g for g in range(512, 31, -1) if vocab % g == 0 and vocab // g >= 64), 0)
     if not chunks:
         return logits.argmax(-1)
-    parts = logits.view(batch, chunks, vocab // chunks)
+    parts = logits.reshape(batch, chunks, vocab // chunks)
     inner = parts.argmax(-1)  # [B, G]
     best = parts.gather(-1, inner[..., None])[..., 0].argmax(-1, keepdim=True)  # [B, 1]
     return best[:, 0] * (vocab // chunks) + inner.gather(-1, best)[:, 0]
