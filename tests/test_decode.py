@@ -112,8 +112,9 @@ def test_cached_greedy_equals_full_recompute(family, family_model, eager_compile
     assert stats["unique_graphs"] == (2 if family in ("gemma2", "gemma3_text") else 1), stats
 
 
-@pytest.mark.parametrize("vocab", [128256, 49152, 32000, 151936, 1000, 997, 64])
+@pytest.mark.parametrize("vocab", [128256, 49152, 32000, 151936, 256000, 6144, 4096])
 def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
+    assert decode.argmax_chunks(vocab) >= 32  # the two-pass path (a vocabulary without chunks is one argmax)
     g = torch.Generator().manual_seed(vocab)
     for trial in range(12):
         x = torch.randn(3, vocab, generator=g)
@@ -130,6 +131,12 @@ def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
         assert torch.equal(decode.first_argmax(x), x.argmax(-1)), (vocab, trial)
     strided = torch.randn(vocab, 2, generator=g).t()  # a [2, V] view whose rows are not contiguous
     assert torch.equal(decode.first_argmax(strided), strided.argmax(-1))
+
+
+def test_first_argmax_chunks():
+    """Llama-3's vocabulary in 501 runs of 256; SmolLM2's in 512 of 96; none where no 32-512 divisor leaves runs of
+    64 (a prime, 1000, GPT-2's 50257, a vocabulary of 64)."""
+    assert [decode.argmax_chunks(v) for v in (128256, 49152, 4096, 997, 1000, 50257, 64)] == [501, 512, 64, 0, 0, 0, 0]
 
 
 def test_kv_layer_fp8_is_stored_in_e4m3_and_equals_qdq():

@@ -47,7 +47,8 @@ def test_programmatic_launch_structs_have_the_driver_layout():
     assert (config.sharedMemBytes.offset, config.hStream.offset, config.attrs.offset, config.numAttrs.offset) == (
         24, 32, 40, 48)
     assert ctypes.sizeof(config) == 56
-    assert not cuda_rtc.pdl_on("cpu")
+    attr = bytes(cuda_rtc.pdl_attribute())  # id 6 (programmatic stream serialization), then the allowed flag at 8
+    assert attr[:4] == (6).to_bytes(4, "little") and attr[8:12] == (1).to_bytes(4, "little") and not any(attr[12:])
 
 
 def test_compile_error_is_reported_with_the_compiler_log():

@@ -373,13 +373,19 @@ def check_supported(model: nn.Module) -> None:
 _COMPILED: dict = {}
 
 
+def argmax_chunks(vocab: int) -> int:
+    """The chunks first_argmax splits a vocabulary into: the most (32-512) that divide it into runs of 64 or more;
+    0 where none does (a single argmax)."""
+    return next((g for g in range(512, 31, -1) if vocab % g == 0 and vocab // g >= 64), 0)
+
+
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) of [B, V] in two passes where V splits into 32-512 chunks: the first maximum of each chunk,
     then the first chunk holding the row's maximum (the same index as argmax, ties and NaN included: each pass takes
     the first maximum, NaN counting as the largest). One reduction over 128K values runs in one CUDA block (~28 us
     on an H200); the chunked one fills the GPU."""
     batch, vocab = logits.shape
-    chunks = next((g for g in range(512, 31, -1) if vocab % g == 0 and vocab // g >= 64), 0)
+    chunks = argmax_chunks(vocab)
     if not chunks:
         return logits.argmax(-1)
     parts = logits.reshape(batch, chunks, vocab // chunks)

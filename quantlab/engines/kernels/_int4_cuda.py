@@ -18,15 +18,17 @@ Numerics (int4.py's contract): q * scale rounded once to the 16-bit type (RN, th
 fp32 accumulation in the tensor core; two accumulator sets (h) added at the end; a CTA's warps split K (warp w
 takes blocks w, w + WARPS, ...) and their partials are summed in warp order from shared memory: deterministic.
 
-w4a16_k8_tma (sm_90, one row, group 128): the same arithmetic and reduction, with the tile's codes and x staged in
+w4a16_k8_tma (sm_90, one row, group 128): the same arithmetic and reduction, with the tile's codes staged in
 shared memory by bulk copies (cp.async.bulk + mbarriers) instead of per-thread loads; it won at gate|up (N 28672,
 K 4096: 19.8 against 22.4-22.8 us on the H200, bench/int4_mma_variants.py --tma) and lost at the other 8B shapes,
 so CONFIGS picks it per shape.
 
 Both are launched as programmatic dependents on compute capability 9.0+ (cuda_rtc.PDL): the bulk-copy kernel
-requests its tile's codes and reads its scales before it waits for the previous kernel (griddepcontrol.wait), so the
-first codes arrive while that kernel ends; the register-fed kernel waits first (loading its first codes, or
-prefetching its tile into L2, before the wait measured slower: 2.33 and 2.34 against 2.28 ms a token).
+requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the first codes arrive
+while that kernel ends (its scale loads are written before the wait too, but ptxas places them after it); the
+register-fed kernel waits first (loading its first codes, or prefetching its tile into L2, before the wait measured
+slower: 2.33 and 2.34 against 2.28 ms a token). x, which the previous kernel writes, is read by explicit coherent
+loads (ld_x) that stay after the wait.
 """
 
 SOURCE = r"""
@@ -55,6 +57,21 @@ __device__ __forceinline__ void pdl_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// x (written by the previous kernel) is read by coherent loads (ld_x; a read-only .nc load, which the compiler may
+// pick for a const __restrict__ pointer, is not) through a pointer laundered after pdl_wait (after_wait), so no load
+// of it can be placed above the wait.
+__device__ __forceinline__ uint2 ld_x(const void* p) {
+    uint2 v;
+    asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T* after_wait(T* p) {
+    asm volatile("" : "+l"(p) :: "memory");
+    return p;
 }
 
 // nibbles at bits 0..3 and 16..19 of t -> (u - 8) * s per 16-bit half, s the packed scale pair; one RN rounding.
@@ -172,6 +189,7 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     __shared__ float red[WARPS][16 * RT][8];
     pdl_wait();  // nothing before it: loading the first codes early measured slower (bench/results, 2026-12-02)
     pdl_release();
+    x = after_wait(x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * RT;
@@ -217,7 +235,7 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
             const int b = base + u * WARPS;
             if (b < nb) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) xv[u][j] = *reinterpret_cast<const uint2*>(xp + 128 * b + 16 * j);
+                for (int j = 0; j < 8; ++j) xv[u][j] = ld_x(xp + 128 * b + 16 * j);
             }
         }
 #pragma unroll
@@ -235,10 +253,10 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 // TMA variant (sm_90): one row (M == 1), group 128, one 16-row tile a CTA, nb == WARPS * SPW. The tile's codes (one
 // contiguous nb KB in the k8 tile order) are staged in shared memory by bulk copies (cp.async.bulk, no per-thread
 // loads and no registers held for them), one mbarrier per chunk of WARPS blocks: chunk c holds block c of every warp,
-// so warps start on chunk 0 while the others land. The codes and the scales (one a row and block) are requested
-// before pdl_wait (they are constant), x after it by per-thread loads (x staged by a bulk copy queued behind the
-// codes came later: 2-3 us slower at gate|up). The arithmetic and the reduction are the kernel's above, value for
-// value.
+// so warps start on chunk 0 while the others land. The codes are requested before pdl_wait (they are constant; the
+// scale loads, one a row and block, are written there too, ptxas moves them after it), x after it by per-thread
+// loads (x staged by a bulk copy queued behind the codes came later: 2-3 us slower at gate|up). The arithmetic and
+// the reduction are the kernel's above, value for value.
 __device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
@@ -291,13 +309,13 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     for (int i = 0; i < 8; ++i) acc[0][i >> 2][i & 3] = 0.f;
     pdl_wait();
     pdl_release();
-    const uint2* xs = reinterpret_cast<const uint2*>(x) + t;  // inputs 128b + 16j + 4t .. +3 of block b
+    const uint2* xs = reinterpret_cast<const uint2*>(after_wait(x)) + t;  // inputs 128b + 16j + 4t .. +3 of block b
 #pragma unroll
     for (int i = 0; i < SPW; ++i) {
         const int b = warp + i * WARPS;
         uint2 xv[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xs[32 * b + 4 * j];
+        for (int j = 0; j < 8; ++j) xv[j] = ld_x(xs + 32 * b + 4 * j);
         bulk_wait(&bar[i]);
         block_mma<BF16, 1>(acc[0], staged[(b * 16 + g) * 4 + t], staged[(b * 16 + g + 8) * 4 + t], xv, sv[i][0],
                            sv[i][1]);

@@ -77,7 +77,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
     out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
     ws, cnt = _SCRATCH.get(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
     k_scale, v_scale = scales if scales is not None else (ws, ws)
-    pdl = not interpreted() and cuda_rtc.pdl_on(q.device)
+    pdl = not interpreted() and cuda_rtc.pdl_on(q.device) and cuda_rtc.triton_pdl()
     _attention_triton.decode_attention[(b * hkv, nsplit)](
         q, k_cache, v_cache, out, pos, k_scale, v_scale, ws, cnt,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import logging
 import os
 import sys
 
@@ -28,12 +29,26 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+_PDL_REFUSED: list[str] = []  # the driver's refusal of a programmatic launch, once: every later launch is plain
+
+
 def pdl_on(device: torch.device | str) -> bool:
-    """Whether kernels on this device are launched as programmatic dependents (PDL and compute capability 9.0+)."""
+    """Whether kernels on this device are launched as programmatic dependents (PDL, compute capability 9.0+, and
+    the driver has not refused one)."""
     dev = torch.device(device)
-    if not PDL or dev.type != "cuda":
+    if not PDL or _PDL_REFUSED or dev.type != "cuda":
         return False
     return _major(dev.index if dev.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def triton_pdl() -> bool:
+    """Whether this Triton has the grid-dependency intrinsics the Triton kernels use under PDL."""
+    try:
+        from triton.language.extra import cuda as triton_cuda
+    except ImportError:
+        return False
+    return hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
 
 
 class RtcError(RuntimeError):
@@ -163,18 +178,28 @@ class Module:
                 cargs.append(a)
         ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cargs])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if not pdl:
-            _cu_check(driver().cuLaunchKernel(self.functions[name], *grid, *block, shared, stream, ptrs, None),
-                      f"launch {name}")
-            return
-        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
-        config = _LaunchConfig(*grid, *block, shared, stream, ctypes.pointer(attr), 1)
-        _cu_check(driver().cuLaunchKernelEx(ctypes.byref(config), self.functions[name], ptrs, None),
-                  f"launch {name} (programmatic dependent)")
+        if pdl and not _PDL_REFUSED:
+            attr = pdl_attribute()
+            config = _LaunchConfig(*grid, *block, shared, stream, ctypes.pointer(attr), 1)
+            try:
+                _cu_check(driver().cuLaunchKernelEx(ctypes.byref(config), self.functions[name], ptrs, None),
+                          f"launch {name} (programmatic dependent)")
+                return
+            except (RtcError, AttributeError) as exc:  # an older driver: the plain launch below, from now on
+                _PDL_REFUSED.append(str(exc))
+                logging.getLogger("quantlab").warning("cuda: %s; kernels are launched without PDL", exc)
+        _cu_check(driver().cuLaunchKernel(self.functions[name], *grid, *block, shared, stream, ptrs, None),
+                  f"launch {name}")
 
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID of CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def pdl_attribute() -> _LaunchAttribute:
+    """The launch attribute that allows the kernel to start before the stream's previous kernel ends."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed, the union's first int
+    return attr
 
 
 class _LaunchAttribute(ctypes.Structure):

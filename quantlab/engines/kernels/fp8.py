@@ -96,7 +96,7 @@ def launch(xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: to
     split = cfg["split_k"]
     grid = (triton.cdiv(n, cfg["block_n"]), split, m)
     ws, cnt = _SCRATCH.get(xq.device, split * m * n if split > 1 else 0, grid[0] * m)
-    pdl = not interpreted() and cuda_rtc.pdl_on(xq.device)
+    pdl = not interpreted() and cuda_rtc.pdl_on(xq.device) and cuda_rtc.triton_pdl()
     _fp8_triton.fp8_gemv[grid](xq, w, scale_a.float().reshape(()), scale_b.float().reshape(()), y, ws, cnt, n, k,
                                BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=split,
                                UNROLL=bool(cfg.get("unroll", False)), PDL=pdl,

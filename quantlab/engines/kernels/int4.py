@@ -435,7 +435,7 @@ def _capability(device: torch.device | str) -> tuple[int, int]:
 
 def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int) -> bool:
     """Shapes the bulk-copy variant of the tensor-core kernel takes: one row, group 128, the K blocks in whole
-    rounds of `warps` (at most 8 a warp), its staging (a tile's codes and x) within TMA_MAX_SHARED."""
+    rounds of `warps` (at most 8 a warp), its staging (a tile's codes) within TMA_MAX_SHARED."""
     nb = k // 128
     return (m == 1 and group == 128 and mma_applies(m, n, k, group, dtype) and nb % warps == 0
             and nb // warps <= 8 and tma_shared(k) <= TMA_MAX_SHARED)
