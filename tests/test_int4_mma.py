@@ -123,6 +123,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
         return wv, xv, sv
 
     staged: dict = {}  # tile -> the CTA's shared memory as 32-bit words: codes [nb * 64 * 4]
+    xw = [xb[0][2 * i] | (xb[0][2 * i + 1] << 16) for i in range(k // 2)]  # x (one row) as 32-bit words
 
     def fetch_tma(n0: int, b: int, g: int, t: int):
         warps = tma_warps
@@ -138,7 +139,6 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
         i = b // warps  # block b = warp + i * WARPS: that warp waits bar[i], whose copy must hold the block
         assert i * warps * 64 <= b * 64 and b * 64 + 64 <= (i + 1) * warps * 64
         wv = [[mem[4 * ((b * 16 + g + 8 * half) * 4 + t) + e] for e in range(4)] for half in range(2)]
-        xw = [xb[0][2 * i] | (xb[0][2 * i + 1] << 16) for i in range(k // 2)]  # x as 32-bit words
         xs = 2 * t  # (const uint2*)x + t, then xs[32 * b + 4 * j]
         xv = [(xw[xs + 2 * (32 * b + 4 * j)], xw[xs + 2 * (32 * b + 4 * j) + 1]) for j in range(8)]
         sv = [[sb[b][n0 + g + 8 * half] | (sb[b][n0 + g + 8 * half] << 16)] for half in range(2)]

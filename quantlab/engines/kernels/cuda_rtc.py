@@ -25,8 +25,14 @@ PDL = os.environ.get("QUANTLAB_PDL", "1") != "0"
 
 
 @functools.cache
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device | str) -> tuple[int, int]:
+    """A CUDA device's compute capability (the current device where it names none), queried once per device."""
+    dev = torch.device(device)
+    return _capability_of(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 _PDL_REFUSED: list[str] = []  # the driver's refusal of a programmatic launch, once: every later launch is plain
@@ -38,7 +44,7 @@ def pdl_on(device: torch.device | str) -> bool:
     dev = torch.device(device)
     if not PDL or _PDL_REFUSED or dev.type != "cuda":
         return False
-    return _major(dev.index if dev.index is not None else torch.cuda.current_device()) >= 9
+    return capability(dev)[0] >= 9
 
 
 @functools.cache

@@ -43,6 +43,7 @@ import os
 import torch
 
 from quantlab.engines.int4_codes import unpack_int4
+from quantlab.engines.kernels import cuda_rtc
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
@@ -371,7 +372,7 @@ def ptx16(dtype: torch.dtype, device: torch.device | str) -> bool:
     Triton's interpreter (which runs the same arithmetic written in Triton). The one-row Triton kernel's PTX
     dequantization needs it, and the tensor-core kernel (mma_on)."""
     return (dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cuda" and not interpreted()
-            and _capability(device) >= (8, 0))
+            and cuda_rtc.capability(device) >= (8, 0))
 
 
 def _k8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
@@ -422,17 +423,6 @@ def tma_shared(k: int) -> int:
     return (k // 128) * 1024
 
 
-@functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _capability(device: torch.device | str) -> tuple[int, int]:
-    """A CUDA device's compute capability (the current device where it names none), queried once per device."""
-    dev = torch.device(device)
-    return _capability_of(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
 def tma_shape(m: int, n: int, k: int, group: int, dtype: torch.dtype, warps: int) -> bool:
     """Shapes the bulk-copy variant of the tensor-core kernel takes: one row, group 128, the K blocks in whole
     rounds of `warps` (at most 8 a warp), its staging (a tile's codes) within TMA_MAX_SHARED."""
@@ -446,7 +436,7 @@ def tma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype, device: 
     """tma_shape on a CUDA device of compute capability 9.x or 10.x (cp.async.bulk, and 227 KB of shared memory a
     block: consumer parts of later generations have 99 KB)."""
     return (tma_shape(m, n, k, group, dtype, warps) and torch.device(device).type == "cuda"
-            and _capability(device)[0] in (9, 10))
+            and cuda_rtc.capability(device)[0] in (9, 10))
 
 
 def mma_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -484,7 +474,7 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     """(module, name) of the configuration's instantiation on this device: compiled on first use and checked on one
     small case against float64 before it multiplies anything (MmaUnavailable, with the reason, where either
     fails; remembered for the process)."""
-    from quantlab.engines.kernels import _int4_cuda, cuda_rtc
+    from quantlab.engines.kernels import _int4_cuda
 
     bf16 = dtype == torch.bfloat16
     if cfg.get("tma"):
@@ -496,7 +486,7 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     if key in _MMA_BAD:
         raise MmaUnavailable(_MMA_BAD[key])
     if key not in _MMA_MODULES:
-        major, minor = _capability(f"cuda:{index}")
+        major, minor = cuda_rtc.capability(f"cuda:{index}")
         try:
             with torch.cuda.device(index):
                 torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
@@ -559,8 +549,6 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         cfg, rows, tma = mma_config(k), 16, False
         module, name = _mma_kernel(x.device, cfg, group, x.dtype)
     shared = tma_shared(k) if tma else 0
-    from quantlab.engines.kernels import cuda_rtc
-
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
                       [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
