@@ -27,6 +27,9 @@ log = logging.getLogger("quantlab")
 def context(cfg: Config) -> RunContext:
     """Config checks, the store and the device: everything decided before any model is touched."""
     preflight.check_config(cfg)
+    from quantlab.engines.kernels import cuda_rtc
+
+    cuda_rtc.check_switches()  # the decode path's environment switches, before any compute
     store = ArtifactStore(cfg.cache_dir)
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)

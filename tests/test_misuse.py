@@ -47,6 +47,19 @@ def test_empty_model_path_on_the_cli(tmp_path):
     _exit2(run_cli(["+precision=fp8", "model.path=", *FAST], cwd=tmp_path, cache=tmp_path / "c"), "model.path is empty")
 
 
+def test_a_decode_switch_that_is_neither_0_nor_1_is_refused_before_compute(tmp_path, monkeypatch):
+    from quantlab.engines.kernels import cuda_rtc
+
+    for value, on in (("", True), ("1", True), (" 0 ", False)):
+        monkeypatch.setenv("QUANTLAB_COMBO_KERNELS", value)
+        assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is on
+    monkeypatch.delenv("QUANTLAB_COMBO_KERNELS")
+    assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is True
+    res = run_cli(["+precision=fp8", *FAST], cwd=tmp_path, cache=tmp_path / "c", env_extra={"QUANTLAB_PDL": "off"})
+    _exit2(res, "QUANTLAB_PDL='off' is not an on / off switch")
+    assert not list((tmp_path / "c").glob("*/*/manifest.json")), "something was computed"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["gate.thresholds.ppl_ratio.max=0"], "always > 0"),
     (["gate.thresholds.top1_agreement.min=0.9", "gate.thresholds.top1_agreement.max=0.8"], "so no value can pass"),

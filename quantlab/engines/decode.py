@@ -24,18 +24,17 @@ How it plugs into transformers without touching a modeling file:
   back into the step's own inputs) is captured in one CUDA graph and replayed once per token. With compile=True the
   decoder layers are compiled first (torch.compile, one compiled function per layer class: each layer is handed its
   own KVLayer in place of the shared cache, so nothing per layer is specialized and 32 layers compile once), with
-  inductor's horizontal fusion (COMBO_KERNELS) and, on compute capability 9.0+, programmatic dependent launch
-  (cuda_rtc.PDL): each compiled kernel, the INT4 kernels and the decode-attention kernel start while the previous
-  kernel ends and wait for it before they touch its output. The argmax is two passes (first_argmax): one reduction
-  over the vocabulary runs in one CUDA block. Models whose step cannot be captured run the same cached steps
-  uncaptured: mixture-of-experts blocks (the expert loop reads the routing on the host) and models spread over
-  several devices.
+  inductor's horizontal fusion (QUANTLAB_COMBO_KERNELS) and, on compute capability 9.0+, programmatic dependent
+  launch (QUANTLAB_PDL; cuda_rtc.switch): each compiled kernel, the INT4 kernels and the decode-attention kernel
+  start while the previous kernel ends and wait for it before they touch its output. The argmax is two passes
+  (first_argmax): one reduction over the vocabulary runs in one CUDA block. Models whose step cannot be captured run
+  the same cached steps uncaptured: mixture-of-experts blocks (the expert loop reads the routing on the host) and
+  models spread over several devices.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from contextlib import contextmanager
 
@@ -48,9 +47,6 @@ FP8_KV_PREFIX = "quantlab_fp8_kv_"  # torch_engine.ATTN_NAME: the full-sequence 
 CAPTURE_WARMUPS = 2  # eager runs of the step before capture (compilation, cuBLAS handles, allocator)
 RECOMPILE_LIMIT = 64  # compiled variants one layer class may hold (layer kinds x batch shapes x models per process)
 COMPILE_BACKEND = "inductor"  # tests trace with "eager" (dynamo alone: same graphs and guards, no code generation)
-# inductor's horizontal fusion of a layer's independent kernels (rotary q, rotary k + cache write, cache write v: one
-# launch); QUANTLAB_COMBO_KERNELS=0 turns it off (measured: INT4 decode 2.28 -> 2.20 ms a token on the 8B shape)
-COMBO_KERNELS = os.environ.get("QUANTLAB_COMBO_KERNELS", "1") != "0"
 FEATURES = {"attention_kernel": True}  # read by each Decoder at construction (bench/decode.py switches them off)
 # families whose eager attention function is softmax(scaling * q k^T, soft-capped, masked) v and nothing else (the
 # decode-attention kernel stands in for it); sdpa's is that by definition
@@ -419,9 +415,11 @@ def _compiled_forward(cls: type):
         options = {"emulate_precision_casts": True} if COMPILE_BACKEND == "inductor" else None
         from quantlab.engines.kernels import cuda_rtc
 
-        if options is not None and cuda_rtc.PDL and _inductor_has("triton.enable_pdl"):
+        if options is not None and cuda_rtc.switch("QUANTLAB_PDL") and _inductor_has("triton.enable_pdl"):
             options["triton.enable_pdl"] = True  # on compute capability 9.0+ only (inductor checks)
-        if options is not None and COMBO_KERNELS and _inductor_has("combo_kernels"):
+        # inductor's horizontal fusion of a layer's independent kernels (rotary q, rotary k + cache write, cache
+        # write v: one launch; measured: INT4 decode 2.28 -> 2.20 ms a token on the 8B shape)
+        if options is not None and cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") and _inductor_has("combo_kernels"):
             options["combo_kernels"] = True
         _COMPILED[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, options=options)
     return _COMPILED[cls]

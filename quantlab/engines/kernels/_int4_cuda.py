@@ -23,12 +23,12 @@ shared memory by bulk copies (cp.async.bulk + mbarriers) instead of per-thread l
 K 4096: 19.8 against 22.4-22.8 us on the H200, bench/int4_mma_variants.py --tma) and lost at the other 8B shapes,
 so CONFIGS picks it per shape.
 
-Both are launched as programmatic dependents on compute capability 9.0+ (cuda_rtc.PDL): the bulk-copy kernel
-requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the first codes arrive
-while that kernel ends (its scale loads are written before the wait too, but ptxas places them after it); the
-register-fed kernel waits first (loading its first codes, or prefetching its tile into L2, before the wait measured
-slower: 2.33 and 2.34 against 2.28 ms a token). x, which the previous kernel writes, is read by explicit coherent
-loads (ld_x) that stay after the wait.
+Both are launched as programmatic dependents on compute capability 9.0+ (QUANTLAB_PDL, cuda_rtc.switch): the
+bulk-copy kernel requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the
+first codes arrive while that kernel ends (its scale loads are written before the wait too, but ptxas places them
+after it); the register-fed kernel waits first (loading its first codes, or prefetching its tile into L2, before the
+wait measured slower: 2.33 and 2.34 against 2.28 ms a token). x, which the previous kernel writes, is read by
+explicit coherent loads (ld_x) that stay after the wait.
 """
 
 SOURCE = r"""

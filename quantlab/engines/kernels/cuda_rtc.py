@@ -17,11 +17,33 @@ import sys
 
 import torch
 
-# Programmatic dependent launch (PDL) of the engine's own decode kernels and of the compiled layers' kernels on
-# compute capability 9.0+: a kernel starts while the previous one ends and waits (griddepcontrol.wait) before it
-# touches what that one wrote, so its weight loads overlap the previous kernel's tail. QUANTLAB_PDL=0 turns it off
-# (each kernel then starts when the previous one has ended), for a comparison or a driver that refuses it.
-PDL = os.environ.get("QUANTLAB_PDL", "1") != "0"
+# Switches of the decode path, read from the environment when used (unset or 1: on, 0: off; anything else is refused
+# by switch(), and check_switches() runs before a run computes anything):
+# - QUANTLAB_PDL: programmatic dependent launch (PDL) of the engine's own decode kernels and of the compiled layers'
+#   kernels on compute capability 9.0+: a kernel starts while the previous one ends and waits (griddepcontrol.wait)
+#   before it touches what that one wrote, so its weight loads overlap the previous kernel's tail; 0 for a comparison
+#   or a driver that refuses it (each kernel then starts when the previous one has ended).
+# - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._compiled_forward).
+SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS")
+
+
+def switch(name: str) -> bool:
+    """An on / off switch from the environment: unset, empty or 1 is on, 0 is off; any other value raises."""
+    value = os.environ.get(name, "").strip()
+    if value in ("", "1"):
+        return True
+    if value == "0":
+        return False
+    from quantlab.errors import QuantlabError
+
+    raise QuantlabError(f"{name}={value!r} is not an on / off switch", fix=f"set {name}=1 (on) or {name}=0 (off), "
+                        "or unset it")
+
+
+def check_switches() -> None:
+    """Every decode switch's value is 0, 1 or unset (QuantlabError naming the one that is not)."""
+    for name in SWITCHES:
+        switch(name)
 
 
 @functools.cache
@@ -42,7 +64,7 @@ def pdl_on(device: torch.device | str) -> bool:
     """Whether kernels on this device are launched as programmatic dependents (PDL, compute capability 9.0+, and
     the driver has not refused one)."""
     dev = torch.device(device)
-    if not PDL or _PDL_REFUSED or dev.type != "cuda":
+    if dev.type != "cuda" or _PDL_REFUSED or not switch("QUANTLAB_PDL"):
         return False
     return capability(dev)[0] >= 9
 
