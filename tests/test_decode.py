@@ -108,8 +108,9 @@ def test_cached_greedy_equals_full_recompute(family, family_model, eager_compile
     ids, stats, breaks = _compiled_ids(engine, prompts)
     assert torch.equal(ids, full[:, :ids.shape[1]])
     assert not breaks, breaks
-    # every decoder layer of a kind shares one compiled graph (Gemma 2 / 3: sliding and full layers)
-    assert stats["unique_graphs"] == (2 if family in ("gemma2", "gemma3_text") else 1), stats
+    # every decoder layer of a kind shares one compiled graph per shape - the prompt's (prefill) and the step's
+    # (Gemma 2 / 3: sliding and full layers)
+    assert stats["unique_graphs"] == 2 * (2 if family in ("gemma2", "gemma3_text") else 1), stats
 
 
 @pytest.mark.parametrize("vocab", [128256, 49152, 32000, 151936, 256000, 6144, 4096])
@@ -184,6 +185,37 @@ def test_decoder_refuses_what_it_cannot_hold(tiny_llama):
         decode.check_supported(model)
 
 
+def test_prefill_whose_compilation_fails_runs_uncompiled(tiny_llama, monkeypatch, caplog):
+    """A compiled prefill that fails (here: a compiler backend that refuses every graph) runs uncompiled with the
+    same first tokens, says why, records it, and the steps run uncompiled too."""
+    model = _load_family(tiny_llama)
+    engine = HFModelEngine(model, Limits(64, 64, 2), "reference")
+    prompts = _prompts(2, 10)
+    plain = decode.Decoder(model, engine.head, engine.captured.take, 2, 14, capture=False)
+    first = plain.prefill(prompts).clone()
+    plain.close()
+
+    def refuse(_gm, _inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    monkeypatch.setattr(decode, "COMPILE_BACKEND", refuse)
+    torch._dynamo.reset()
+    decode._COMPILED.clear()
+    try:
+        dec = decode.Decoder(model, engine.head, engine.captured.take, 2, 14, capture=False, compile=True)
+        with caplog.at_level("WARNING", logger="quantlab"):
+            assert torch.equal(dec.prefill(prompts), first)
+        info = dec.describe()
+        assert info["compiled"] is False and "compiles nothing" in info["compile_error"], info
+        assert "compiling the layers failed" in caplog.text
+        dec.step()  # uncompiled from here on
+        assert dec.describe()["compiled"] is False
+        dec.close()
+    finally:
+        torch._dynamo.reset()
+        decode._COMPILED.clear()
+
+
 EXPORTS = [("fp8", "fp8"), ("int8_sq", "none"), ("int4_awq", "fp8"), ("fp8_pc_pt", "none"), ("w4a8_awq", "none")]
 
 
@@ -222,7 +254,7 @@ def test_torch_engine_cached_decode(precision, kv, exports, eager_compile):
     assert err < 1e-5, err
     ids, stats, breaks = _compiled_ids(engine, prompts)
     assert torch.equal(ids, cached[:, :ids.shape[1]])
-    assert not breaks and stats["unique_graphs"] == 1, (stats, breaks)
+    assert not breaks and stats["unique_graphs"] == 2, (stats, breaks)  # prefill's shape and the step's
 
 
 def test_shared_quantize_is_matched_by_identity():
@@ -524,7 +556,8 @@ def test_decode_attention_kernel_under_triton_interpreter(family_model, exports)
         assert row["step_err"] < 1e-5, (name, row)
         assert row["kernel_modules"] == layers[name] and "triton decode attention" in row["step_paths"], (name, row)
         if "compiled" in row:
-            assert row["compiled"] == {"ids_equal": True, "graphs": 1 + (name == "gemma2"), "breaks": {}}, (name, row)
+            graphs = 2 * (1 + (name == "gemma2"))  # the prefill's shape and the step's, per layer kind
+            assert row["compiled"] == {"ids_equal": True, "graphs": graphs, "breaks": {}}, (name, row)
     assert set(out["families"]) == set(paths) | set(fp8_kv)
 
 

@@ -23,7 +23,8 @@ How it plugs into transformers without touching a modeling file:
 - On CUDA the decode step (embedding, every layer, final norm, head, argmax, the next token and position written
   back into the step's own inputs) is captured in one CUDA graph and replayed once per token. With compile=True the
   decoder layers are compiled first (torch.compile, one compiled function per layer class: each layer is handed its
-  own KVLayer in place of the shared cache, so nothing per layer is specialized and 32 layers compile once), with
+  own KVLayer in place of the shared cache, so nothing per layer is specialized and 32 layers compile once; the
+  prefill runs through the same compiled layers, compiled for the prompt's shape, uncaptured), with
   inductor's horizontal fusion (QUANTLAB_COMBO_KERNELS) and, on compute capability 9.0+, programmatic dependent
   launch (QUANTLAB_PDL; cuda_rtc.switch): each compiled kernel, the INT4 kernels and the decode-attention kernel
   start while the previous kernel ends and wait for it before they touch its output. The argmax is two passes
@@ -541,7 +542,15 @@ class Decoder:
         if batch != self.batch or length >= self.max_len:
             raise ValueError(f"prompts {tuple(prompts.shape)} do not fit batch {self.batch} / max_len {self.max_len}")
         with torch.no_grad():
-            logits = self._run(prompts.to(self.device), torch.arange(length, device=self.device), length)
+            prompts, positions = prompts.to(self.device), torch.arange(length, device=self.device)
+            logits = None
+            if self.compile:  # the layers compiled for the prompt's shape too (no graph: one run per prompt)
+                try:
+                    logits = self._run(prompts, positions, length, True)
+                except Exception as exc:  # noqa: BLE001 - a prefill that cannot be compiled runs uncompiled
+                    self._compile_failed(exc)
+            if logits is None:  # every position 0..P-1 is (re)written: a failed compiled run leaves nothing behind
+                logits = self._run(prompts, positions, length)
             nxt = first_argmax(logits)
             self.out[:, length] = nxt
             self.tokens[:, 0] = nxt
@@ -595,13 +604,11 @@ class Decoder:
                 self.graph, self.compile = graph, compiled
                 return
             except Exception as exc:  # noqa: BLE001 - what cannot be compiled or captured still runs, uncaptured
-                error = f"{type(exc).__name__}: {str(exc)[:500]}"
                 if compiled:
-                    self.compile_error = error
+                    self._compile_failed(exc)
                 else:
-                    self.capture_error = error
-                log.warning("decode: %s failed (%s)", "compiling the layers" if compiled else "CUDA graph capture",
-                            error)
+                    self.capture_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                    log.warning("decode: CUDA graph capture failed (%s)", self.capture_error)
                 try:
                     torch.cuda.synchronize(self.device)
                 except Exception:  # noqa: BLE001 - a sticky capture error: the inputs are restored below anyway
@@ -609,6 +616,17 @@ class Decoder:
                 self.tokens.copy_(tokens)
                 self.pos.copy_(pos)
         self.compile = False
+
+    def _compile_failed(self, exc: Exception) -> None:
+        """Compiling the layers failed (prefill or step): said once, recorded, and the layers run uncompiled."""
+        self.compile_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+        self.compile = False
+        log.warning("decode: compiling the layers failed (%s)", self.compile_error)
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a sticky error surfaces on the uncompiled run
+                pass
 
     def generate(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy continuation of equal-length prompts [B, P] -> new ids [B, new_tokens] (on the model's device)."""
