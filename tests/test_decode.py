@@ -324,6 +324,7 @@ before = engine.logits(tokens)
 out["repack"] = {"layers": repacked, "max_diff": float((before - export_logits).abs().max())}
 out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
                  "mlp": type(model.model.layers[0].mlp).__name__,
+                 "o_proj_pqs_in_op": [layer.self_attn.o_proj.pqs_in_op for layer in model.model.layers],
                  "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
 print("RESULT" + json.dumps(out))
 """
@@ -355,7 +356,8 @@ def test_int4_kernels_under_triton_interpreter():
         assert layer["no_dequantized_copy"] and layer["packed_bytes"] == 64 * 256 // 2 and layer["same_weights"]
         assert layer["max_diff"] < 2e-2, layer  # fp16 outputs of |y| ~ 10: one fp16 rounding apart at most
     assert out["repack"]["layers"] == 14 and out["repack"]["max_diff"] < 1e-3, out["repack"]  # fp32: order only
-    assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "same_logits": True}, out["fusion"]
+    assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "o_proj_pqs_in_op": [True, True],
+                             "same_logits": True}, out["fusion"]
 
 
 # ------------------------------------------------------------------------------------------------ FP8 GEMV

@@ -12,8 +12,10 @@ from quantlab.engines.int4_codes import unpack_int4
 from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4
 
 
-def _names(shapes, groups, dtypes) -> list[str]:
-    return [_int4_cuda.name(w, u, r, gs, bf16) for w, u, r in shapes for gs in groups for bf16 in dtypes]
+def _names(shapes, groups, dtypes, flags=((False, False),)) -> list[str]:
+    """Instantiations; flags: (pre_quant_scale, x in x_order) pairs."""
+    return [_int4_cuda.name(w, u, r, gs, bf16, p, xp) for w, u, r in shapes for gs in groups for bf16 in dtypes
+            for p, xp in flags]
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
@@ -23,12 +25,15 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
     except cuda_rtc.RtcError as exc:
         pytest.skip(str(exc))
     if arch == "90":  # every configuration the sweep times, the groups inside a block on one of them, bulk copies
-        names = _names(int4.MMA_SHAPES, (0, 128), (True,)) + _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64),
-                                                                     (True, False))
-        names += [_int4_cuda.tma_name(w, spw, bf16) for w, spw in ((4, 8), (8, 4), (16, 2), (4, 1), (8, 8))
-                  for bf16 in (True, False)]
+        names = _names(int4.MMA_SHAPES, (0, 128), (True,), ((False, False), (True, False), (False, True)))
+        names += _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64), (True, False))
+        names += [_int4_cuda.tma_name(w, spw, bf16, xp) for w, spw in ((4, 8), (8, 4), (16, 2), (4, 1), (8, 8))
+                  for bf16 in (True, False) for xp in (False, True)]
     else:
-        names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64, 128), (True, False))
+        names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64, 128), (True, False), ((False, False), (False, True)))
+        # pre_quant_scale in the kernel (the attention output's projection, one tile a warp unless CONFIGS says
+        # otherwise; with two tiles and groups of 64 it spills 8 bytes on sm_80)
+        names += _names([(8, 2, 1), (16, 1, 1)], (0, 64, 128), (True, False), ((True, False),))
     log: list[str] = []
     cubin, lowered = cuda_rtc.compile_kernels(_int4_cuda.SOURCE, names, arch, ("--ptxas-options=--warn-on-spills",),
                                               log)
@@ -88,18 +93,51 @@ def _pair_of(p: tuple[int, int], q: tuple[int, int], e: int) -> int:
     return ((a >> 16) | (b & 0xFFFF0000)) if e & 1 else ((a & 0xFFFF) | ((b & 0xFFFF) << 16))
 
 
+def _scale_x(v: tuple[int, int], p: tuple[int, int]) -> tuple[int, int]:
+    """scale_x: each bf16 of two packed pairs times the other's, rounded once to bf16 (RN)."""
+    def mul2(a: int, b: int) -> int:
+        lo = torch.tensor([_f(a) * _f(b)], dtype=torch.float64).to(torch.bfloat16)  # the exact product, one RN
+        hi = torch.tensor([_f(a >> 16) * _f(b >> 16)], dtype=torch.float64).to(torch.bfloat16)
+        return (int(lo.view(torch.int16)) & 0xFFFF) | ((int(hi.view(torch.int16)) & 0xFFFF) << 16)
+    return mul2(v[0], p[0]), mul2(v[1], p[1])
+
+
+def _x_words(xr: list, pb: list | None, b: int, t: int, ordered: bool) -> list:
+    """load_x of the register-fed kernel for block b, thread t of one row's 16-bit patterns xr: XRow's 8 uint2 (x
+    at 128b + 16j + 4t, times pre_quant_scale pb through scale_x where given), or XPerm's 16 words (xp = x + 32t,
+    four 16-byte loads at xp + 128b + 8i)."""
+    if ordered:
+        base = 128 * b + 32 * t
+        return [xr[base + 2 * w] | (xr[base + 2 * w + 1] << 16) for w in range(16)]
+
+    def pair(v: list, j: int) -> tuple[int, int]:
+        i = 128 * b + 16 * j + 4 * t
+        return v[i] | (v[i + 1] << 16), v[i + 2] | (v[i + 3] << 16)
+
+    return [pair(xr, j) if pb is None else _scale_x(pair(xr, j), pair(pb, j)) for j in range(8)]
+
+
+def _bfrag(xv: list, e: int, j: int, ordered: bool) -> int:
+    """bfrag: B register (e, j) from a block's x as loaded - XPerm's word 4e + j, or XRow's pair_of."""
+    return xv[4 * e + j] if ordered else _pair_of(xv[j], xv[j + 4], e)
+
+
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int,
-             tma_warps: int = 0) -> torch.Tensor:
+             tma_warps: int = 0, pqs: torch.Tensor | None = None, ordered: bool = False) -> torch.Tensor:
     """The kernel (one warp a row tile, UNROLL 1) on bit patterns, expression for expression as _int4_cuda.SOURCE
     writes them: the 128-bit word loads, the scale pairs, the uint2 x loads, dq_pair, pair_of, the mma fragments
     (A rows g / g + 8, k slots 2t, 2t+1, 2t+8, 2t+9; B column g = batch row min(g, M-1)), accumulated in float64.
     tma_warps: w4a16_k8_tma with that many warps instead (one row, group 128): each CTA's staging built from its
-    chunk copies, the codes read from it and x and the scales from global memory, as that kernel reads them."""
+    chunk copies, the codes read from it and x and the scales from global memory, as that kernel reads them.
+    pqs: the register-fed kernel's PQS instantiation - pre_quant_scale read at the addresses of x's loads (pp) and
+    scale_x. ordered: the XP instantiations - x given in int4.x_order, thread t's block b read as 16 words from
+    128b + 32t, B register (e, j) = word 4e + j (bfrag of XPerm)."""
     m, k = x.shape
     n = qweight.shape[0]
     words = [int(v) & 0xFFFFFFFF for v in qweight.flatten().tolist()]  # the memory the kernel reads
     tile = (k // 128) * 64  # 128-bit words in a tile of 16 rows
     xb = [[int(v) & 0xFFFF for v in row] for row in x.view(torch.int16).tolist()]
+    pb = None if pqs is None else [int(v) & 0xFFFF for v in pqs.view(torch.int16).tolist()]
     sb = [[int(v) & 0xFFFF for v in row] for row in scales_t.view(torch.int16).tolist()]
     per = 128 // group if group < 128 else 1
     ns = per // 2 if group < 128 else 1
@@ -110,8 +148,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
         xr = xb[min(g, m - 1)]
         at = [(n0 >> 4) * tile + 4 * g + t + b * 64 + 32 * half for half in range(2)]  # wt + b * 64 + 32 * half
         wv = [[words[4 * a + e] for e in range(4)] for a in at]
-        xv = [(xr[128 * b + 16 * j + 4 * t] | (xr[128 * b + 16 * j + 4 * t + 1] << 16),
-               xr[128 * b + 16 * j + 4 * t + 2] | (xr[128 * b + 16 * j + 4 * t + 3] << 16)) for j in range(8)]
+        xv = _x_words(xr, pb, b, t, ordered)
         sv = []
         for r in (n0 + g, n0 + g + 8):
             pairs = []
@@ -141,6 +178,8 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
         wv = [[mem[4 * ((b * 16 + g + 8 * half) * 4 + t) + e] for e in range(4)] for half in range(2)]
         xs = 2 * t  # (const uint2*)x + t, then xs[32 * b + 4 * j]
         xv = [(xw[xs + 2 * (32 * b + 4 * j)], xw[xs + 2 * (32 * b + 4 * j) + 1]) for j in range(8)]
+        if ordered:  # xs = (const uint2*)x + 8t, then load_x: 16 words from 128b + 32t
+            xv = [xw[64 * b + 16 * t + w] for w in range(16)]
         sv = [[sb[b][n0 + g + 8 * half] | (sb[b][n0 + g + 8 * half] << 16)] for half in range(2)]
         return wv, xv, sv
 
@@ -162,24 +201,35 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
                         for reg, word in regs.items():
                             row, col = g + 8 * (reg & 1), 2 * t + 8 * (reg >> 1)
                             a[row, col], a[row, col + 1] = _f(word), _f(word >> 16)
-                        b01 = (_pair_of(xv[j0], xv[j0 + 4], e), _pair_of(xv[j1], xv[j1 + 4], e))
+                        b01 = (_bfrag(xv, e, j0, ordered), _bfrag(xv, e, j1, ordered))
                         for reg, word in enumerate(b01):
                             bm[2 * t + 8 * reg, g], bm[2 * t + 8 * reg + 1, g] = _f(word), _f(word >> 16)
                     out[:, n0: n0 + 16] += (a @ bm)[:, :m].t()
     return out
 
 
-@pytest.mark.parametrize(("group", "tma_warps", "k"), [(16, 0, 256), (64, 0, 256), (128, 0, 256), (256, 0, 256),
-                                                      (128, 4, 1024), (128, 8, 1024)])
-def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma_warps, k):
+@pytest.mark.parametrize(("group", "tma_warps", "k", "with_pqs", "ordered"),
+                         [(16, 0, 256, False, False), (64, 0, 256, False, False), (128, 0, 256, False, False),
+                          (256, 0, 256, False, False), (128, 4, 1024, False, False), (128, 8, 1024, False, False),
+                          (64, 0, 256, True, False), (128, 0, 1024, True, False), (32, 0, 256, False, True),
+                          (128, 0, 256, False, True), (128, 4, 1024, False, True)])
+def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma_warps, k, with_pqs, ordered):
     g = torch.Generator().manual_seed(3)
     n, m = 32, 1 if tma_warps else 3
     packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
     qweight, scales_t = int4.repack(packed, scales)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    exact = x.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
-    torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma_warps), exact, rtol=1e-12, atol=1e-12)
+    pqs = (torch.rand(k, generator=g) * 3 + 0.1).to(torch.bfloat16) if with_pqs else None
+    xs = x * pqs if with_pqs else x  # torch's product in bf16: what the PQS instantiation must equal
+    assert not with_pqs or not torch.equal(xs, x)
+    exact = xs.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
+    if ordered:  # the layers hand the kernel x[:, x_order]: a permutation of the inputs
+        order = int4.x_order(k, "cpu")
+        assert torch.equal(order.sort().values, torch.arange(k))
+        x = x[:, order]
+    torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma_warps, pqs, ordered), exact, rtol=1e-12,
+                               atol=1e-12)
 
 
 def test_engine_does_not_pick_it_where_it_cannot_run():

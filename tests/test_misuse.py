@@ -55,6 +55,12 @@ def test_a_decode_switch_that_is_neither_0_nor_1_is_refused_before_compute(tmp_p
         assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is on
     monkeypatch.delenv("QUANTLAB_COMBO_KERNELS")
     assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is True
+    assert "QUANTLAB_INT4_XORDER" in cuda_rtc.SWITCHES
+    for name in cuda_rtc.SWITCHES:  # each one is checked before compute
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(QuantlabError, match=f"{name}='yes'"):
+            cuda_rtc.check_switches()
+        monkeypatch.delenv(name)
     res = run_cli(["+precision=fp8", *FAST], cwd=tmp_path, cache=tmp_path / "c", env_extra={"QUANTLAB_PDL": "off"})
     _exit2(res, "QUANTLAB_PDL='off' is not an on / off switch")
     assert not list((tmp_path / "c").glob("*/*/manifest.json")), "something was computed"

@@ -319,6 +319,11 @@ class Int4AwqLinear(QuantLinear):
                              None if pre_quant_scale is None else pre_quant_scale.to(compute_dtype).reshape(-1))
         self.siblings: SiblingGemm | None = None  # q/k/v fused into one GEMM (fuse_int4_siblings)
         self.sibling_index = 0
+        # pre_quant_scale applied inside the op (the kernel scales x as it loads it) rather than by torch before it:
+        # for layers whose input comes from an op torch.compile cannot fuse into (the attention output's projection;
+        # fuse_int4_siblings sets it), where the product would otherwise be a kernel of its own
+        self.pqs_in_op = False
+        self.x_index: torch.Tensor | None = None  # k8, one row: x handed to the kernel in int4.x_order (repack)
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
@@ -353,6 +358,10 @@ class Int4AwqLinear(QuantLinear):
             return False
         self.weight_packed, self.weight_scale = int4.repack(self.weight_packed, self.weight_scale)
         self.layout = "k8"
+        device, dtype = self.weight_packed.device, self.weight_scale.dtype
+        if int4.ordered_on(device, dtype) and int4.ordered_applies(1, self.out_features, self.in_features, self.block,
+                                                                   dtype):
+            self.x_index = int4.x_order(self.in_features, device)
         self.kernel = int4.k8_kernels(str(self.weight_packed.device), self.weight_scale.dtype)
         return True
 
@@ -368,7 +377,8 @@ class Int4AwqLinear(QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_kernel:
-            return w4a16(x, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block).float()
+            return w4a16(x, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block,
+                         self.pqs_in_op, self.x_index).float()
         x = x.to(self.weight.dtype)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
@@ -602,14 +612,20 @@ def use_fp8_gemv(model: nn.Module) -> int:
 
 # ------------------------------------------------------------------------------- W4A16 sibling fusion
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
-          block: int) -> torch.Tensor:
+          block: int, pqs_in_op: bool = False, x_index: torch.Tensor | None = None) -> torch.Tensor:
     """The packed W4A16 GEMM on x [M, K] in the scales' dtype -> [M, N] in that dtype: quantlab::w4a16_k8 on the
-    k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes)."""
+    k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes). k8: pre_quant_scale multiplies
+    x before the op (torch.compile fuses it into the producer, a norm or the activation), or inside it where
+    pqs_in_op (the same product, rounded once to the compute dtype). One row with x_index (int4.x_order, set at
+    repack where the tensor-core kernel runs): x gathered into that order, a gather torch.compile fuses into the
+    producer too, and quantlab::w4a16_k8_ordered (the same sums)."""
     if packed.dtype == torch.int32:
         x = x.to(scales.dtype)
-        if pqs is not None:  # outside the opaque op: torch.compile fuses it into the producer (the norm)
-            x = x * pqs
-        return torch.ops.quantlab.w4a16_k8(x, packed, scales, None, block)
+        if pqs is not None and not pqs_in_op:
+            x, pqs = x * pqs, None
+        if x_index is not None and pqs is None and x.shape[0] == 1:
+            return torch.ops.quantlab.w4a16_k8_ordered(x[:, x_index], packed, scales, block)
+        return torch.ops.quantlab.w4a16_k8(x, packed, scales, pqs, block)
     return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
 
 
@@ -631,7 +647,7 @@ class SiblingGemm:
 
     def __init__(self, layers: list[Int4AwqLinear]):
         self.packed, self.scales = _cat_packed(layers)
-        self.pqs, self.block = layers[0].pre_quant_scale, layers[0].block
+        self.pqs, self.block, self.x_index = layers[0].pre_quant_scale, layers[0].block, layers[0].x_index
         self.bounds, start = [], 0
         k8 = layers[0].layout == "k8"
         for m in layers:
@@ -648,7 +664,7 @@ class SiblingGemm:
         took its columns."""
         held = self._held
         if held is None or held[0] is not x:
-            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block), self.count)
+            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block, x_index=self.x_index), self.count)
         left = held[2] - 1
         self._held = None if left == 0 else (held[0], held[1], left)
         lo, hi = self.bounds[index]
@@ -671,14 +687,15 @@ class Int4GatedMLP(nn.Module):
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scales)
         self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
-        self.block, self.inter = gate.block, gate.out_features
+        self.block, self.inter, self.x_index = gate.block, gate.out_features, gate.x_index
         self.down, self.act_fn = down, act_fn
         self.kernel = f"{gate.kernel}: gate|up one GEMM, down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate(x)) * up(x)), gate|up one packed GEMM."""
         shape = x.shape
-        y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block)
+        y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block,
+                  x_index=self.x_index)
         y = y.to(x.dtype)
         h = self.act_fn(y[:, : self.inter]) * y[:, self.inter:]
         return self.down(h).reshape(*shape[:-1], -1)
@@ -696,7 +713,8 @@ def repack_int4(model: nn.Module) -> int:
 def fuse_int4_siblings(model: nn.Module) -> int:
     """Packed W4A16 layers are first repacked into the k8 layout (repack_int4); then layers reading one input
     become one GEMM: q/k/v (SiblingGemm) and gated MLPs (Int4GatedMLP), where the layers share their layout, group
-    size and pre_quant_scale and have no bias. Returns the groups fused."""
+    size and pre_quant_scale and have no bias; an attention block's output projection (o_proj / out_proj / dense)
+    multiplies by its pre_quant_scale inside the op (pqs_in_op). Returns the groups fused."""
     repack_int4(model)
     fused = 0
     for name, module in list(model.named_modules()):
@@ -708,6 +726,11 @@ def fuse_int4_siblings(model: nn.Module) -> int:
             for i, m in enumerate(qkv):
                 m.siblings, m.sibling_index = group, i
             fused += 1
+        if any(isinstance(m, Int4AwqLinear) for m in qkv):  # an attention block: its output projection reads the
+            for out_name in ("o_proj", "out_proj", "dense"):  # attention op's output (opaque to torch.compile)
+                out = getattr(module, out_name, None)
+                if isinstance(out, Int4AwqLinear) and out.layout == "k8" and out.pre_quant_scale is not None:
+                    out.pqs_in_op = True
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         act = getattr(module, "act_fn", None)
         if (all(isinstance(m, Int4AwqLinear) and m.packed_kernel and m.bias is None for m in (gate, up))

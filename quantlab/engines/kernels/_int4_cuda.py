@@ -23,6 +23,12 @@ shared memory by bulk copies (cp.async.bulk + mbarriers) instead of per-thread l
 K 4096: 19.8 against 22.4-22.8 us on the H200, bench/int4_mma_variants.py --tma) and lost at the other 8B shapes,
 so CONFIGS picks it per shape.
 
+Two instantiation flags: PQS multiplies x by pre_quant_scale as it is loaded (scale_x, the product torch computes:
+for the attention output's projection, whose input comes from an op torch.compile cannot fuse the multiply into);
+XP reads x in int4.x_order, thread t's 32 inputs of a block in the order of its B registers (four 16-byte loads and
+no byte permutes instead of eight 8-byte loads and 16 permutes; the layers gather x into that order, a gather
+torch.compile fuses into the norm or activation producing x). The bulk-copy kernel has XP, not PQS.
+
 Both are launched as programmatic dependents on compute capability 9.0+ (QUANTLAB_PDL, cuda_rtc.switch): the
 bulk-copy kernel requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the
 first codes arrive while that kernel ends (its scale loads are written before the wait too, but ptxas places them
@@ -68,6 +74,13 @@ __device__ __forceinline__ uint2 ld_x(const void* p) {
     return v;
 }
 
+// pre_quant_scale (constant) by read-only loads, 4 values at a time as x.
+__device__ __forceinline__ uint2 ld_const(const void* p) {
+    uint2 v;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 template <typename T>
 __device__ __forceinline__ T* after_wait(T* p) {
     asm volatile("" : "+l"(p) :: "memory");
@@ -94,6 +107,21 @@ __device__ __forceinline__ u32 dq_pair(u32 t, u32 sp) {
             : "=r"(v) : "r"(t), "r"(sp));
     }
     return v;
+}
+
+// x * pre_quant_scale for 4 values (2 packed pairs): each exact product rounded once (RN; a fused multiply-add of
+// -0), as torch multiplies two 16-bit tensors.
+template <bool BF16>
+__device__ __forceinline__ uint2 scale_x(uint2 v, uint2 p) {
+    uint2 r;
+    if (BF16) {
+        asm("{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 %0, %2, %4, z;\nfma.rn.bf16x2 %1, %3, %5, z;\n}"
+            : "=r"(r.x), "=r"(r.y) : "r"(v.x), "r"(v.y), "r"(p.x), "r"(p.y));
+    } else {
+        asm("{\n.reg .b32 z;\nmov.b32 z, 0x80008000;\nfma.rn.f16x2 %0, %2, %4, z;\nfma.rn.f16x2 %1, %3, %5, z;\n}"
+            : "=r"(r.x), "=r"(r.y) : "r"(v.x), "r"(v.y), "r"(p.x), "r"(p.y));
+    }
+    return r;
 }
 
 template <bool BF16>
@@ -133,10 +161,49 @@ __device__ __forceinline__ u32 word(uint4 v, int e) {
     return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ uint4 ld_x4(const void* p) {  // ld_x, 8 values
+    uint4 v;
+    asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// A block's x values of one batch row as thread t holds them. XRow: x in the layer's order, v[j] = inputs
+// 128b + 16j + 4t .. +3 (8-byte loads; the B registers are built by byte permutes). XPerm: x given in x_order (int4.
+// x_order), thread t's 32 inputs at 128b + 32t in the order of its B registers (16-byte loads, no permutes):
+// word 4e + j holds the pair (inputs 128b + 16j + 4t + e, 128b + 16(j + 4) + 4t + e), j = 0..3.
+struct XRow { uint2 v[8]; };
+struct XPerm { uint4 v[4]; };
+template <bool XP> struct XSel { typedef XRow T; };
+template <> struct XSel<true> { typedef XPerm T; };
+
+// B register of mma (e, j): the x values of inputs 128b + 16j + 4t + e and 128b + 16(j + 4) + 4t + e.
+__device__ __forceinline__ u32 bfrag(const XRow& x, int e, int j) { return pair_of(x.v[j], x.v[j + 4], e); }
+__device__ __forceinline__ u32 bfrag(const XPerm& x, int e, int j) { return word(x.v[e], j); }
+
+// Block b's x of one row (xp: the row's x plus 4t, or plus 32t for XPerm); PQS: times pre_quant_scale (pp = p + 4t).
+template <bool BF16, bool PQS>
+__device__ __forceinline__ void load_x(XRow& xf, const u16* xp, const u16* pp, int b) {
+    const uint2* xs = reinterpret_cast<const uint2*>(xp) + 32 * b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xf.v[j] = ld_x(xs + 4 * j);
+    if (PQS) {  // (the x loads first: with each product next to its load, the scale loads took 20 more registers)
+        const uint2* ps = reinterpret_cast<const uint2*>(pp) + 32 * b;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xf.v[j] = scale_x<BF16>(xf.v[j], ld_const(ps + 4 * j));
+    }
+}
+
+template <bool BF16, bool PQS>
+__device__ __forceinline__ void load_x(XPerm& xf, const u16* xp, const u16*, int b) {
+    static_assert(!PQS, "x in x_order comes with pre_quant_scale applied");
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xf.v[i] = ld_x4(xp + 128 * b + 8 * i);
+}
+
 // One block of 128 inputs of one 16-row tile: the codes of rows g / g + 8 (w0 / w1: words 4t..4t+3), the block's
-// x values of batch row g (xv[j]: inputs 128b + 16j + 4t .. +3), the scale pairs of each row (NS a block).
-template <bool BF16, int NS>
-__device__ __forceinline__ void block_mma(float (&acc)[2][4], uint4 w0, uint4 w1, const uint2 (&xv)[8],
+// x values of batch row g (xf, XRow or XPerm), the scale pairs of each row (NS a block).
+template <bool BF16, int NS, typename XF>
+__device__ __forceinline__ void block_mma(float (&acc)[2][4], uint4 w0, uint4 w1, const XF& xf,
                                           const u32 (&s0)[NS], const u32 (&s1)[NS]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -147,7 +214,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[2][4], uint4 w0, uint4 w1
             const u32 wa = word(w0, e), wb = word(w1, e);
             mma16816<BF16>(acc[h], dq_pair<BF16>(wa >> (4 * j0), s0[q0]), dq_pair<BF16>(wb >> (4 * j0), s1[q0]),
                            dq_pair<BF16>(wa >> (4 * j1), s0[q1]), dq_pair<BF16>(wb >> (4 * j1), s1[q1]),
-                           pair_of(xv[j0], xv[j0 + 4], e), pair_of(xv[j1], xv[j1 + 4], e));
+                           bfrag(xf, e, j0), bfrag(xf, e, j1));
         }
     }
 }
@@ -180,10 +247,13 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
 // GS: the group size when it is 16, 32, 64 (groups inside a block) or 128 (one a block); 0: a larger multiple of 128
 // (`group` at run time: a division a block).
 // RT: row tiles of 16 a warp (a CTA computes 16 RT rows); x's B fragments serve all of them.
-template <int WARPS, int UNROLL, int RT, int GS, bool BF16>
+// PQS: x is multiplied by pre_quant_scale p [K] as it is loaded (scale_x: torch's x * p, value for value); the
+// engine asks for it where the product cannot be fused into the op producing x (the attention output's projection).
+// XP: x comes in x_order (XPerm; the engine's gather, fused by torch.compile into the op producing x).
+template <int WARPS, int UNROLL, int RT, int GS, bool BF16, bool PQS, bool XP>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
-             u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
+             const u16* __restrict__ p, u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
     constexpr int PER = GS ? 128 / GS : 1;       // groups in a block of 128 inputs
     constexpr int NS = PER > 1 ? PER / 2 : 1;    // distinct scale pairs a row and block
     __shared__ float red[WARPS][16 * RT][8];
@@ -194,7 +264,8 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * RT;
     const int nb = K >> 7;
-    const u16* xp = x + (size_t)(g < M ? g : M - 1) * sx + 4 * t;
+    const u16* xp = x + (size_t)(g < M ? g : M - 1) * sx + (XP ? 32 : 4) * t;
+    const u16* pp = p + 4 * t;
     const int tile = nb * 64;  // 128-bit words in a tile of 16 rows
     const uint4* wt = w + (size_t)(n0 >> 4) * tile + 4 * g + t;  // tile n0 / 16, block 0, row g, words 4t..4t+3
     float acc[RT][2][4];
@@ -229,14 +300,11 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     };
     for (int base = warp; base < nb; base += WARPS * UNROLL) {
         load_codes(base);
-        uint2 xv[UNROLL][8];
+        typename XSel<XP>::T xv[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int b = base + u * WARPS;
-            if (b < nb) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) xv[u][j] = ld_x(xp + 128 * b + 16 * j);
-            }
+            if (b < nb) load_x<BF16, PQS>(xv[u], xp, pp, b);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -256,7 +324,8 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 // so warps start on chunk 0 while the others land. The codes are requested before pdl_wait (they are constant; the
 // scale loads, one a row and block, are written there too, ptxas moves them after it), x after it by per-thread
 // loads (x staged by a bulk copy queued behind the codes came later: 2-3 us slower at gate|up). The arithmetic and
-// the reduction are the kernel's above, value for value.
+// the reduction are the kernel's above, value for value; XP as there. p (pre_quant_scale) is not read: the argument
+// list is the register-fed kernel's.
 __device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
@@ -273,10 +342,10 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* bar) {  // each ba
     }
 }
 
-template <int WARPS, int SPW, bool BF16>
+template <int WARPS, int SPW, bool BF16, bool XP>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
-             u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
+             const u16* __restrict__ p, u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
     extern __shared__ __align__(128) uint4 staged[];  // the tile's codes [NB * 64]
     __shared__ __align__(8) unsigned long long bar[SPW];
     __shared__ float red[WARPS][16][8];
@@ -309,13 +378,13 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
     for (int i = 0; i < 8; ++i) acc[0][i >> 2][i & 3] = 0.f;
     pdl_wait();
     pdl_release();
-    const uint2* xs = reinterpret_cast<const uint2*>(after_wait(x)) + t;  // inputs 128b + 16j + 4t .. +3 of block b
+    // (x's pointer as a uint2 pointer plus t: written as x + 4t, 8 warps took 66 registers, 3 CTAs an SM, not 4)
+    const uint2* xs = reinterpret_cast<const uint2*>(after_wait(x)) + (XP ? 8 : 1) * t;
 #pragma unroll
     for (int i = 0; i < SPW; ++i) {
         const int b = warp + i * WARPS;
-        uint2 xv[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = ld_x(xs + 32 * b + 4 * j);
+        typename XSel<XP>::T xv;
+        load_x<BF16, false>(xv, reinterpret_cast<const u16*>(xs), nullptr, b);
         bulk_wait(&bar[i]);
         block_mma<BF16, 1>(acc[0], staged[(b * 16 + g) * 4 + t], staged[(b * 16 + g + 8) * 4 + t], xv, sv[i][0],
                            sv[i][1]);
@@ -325,13 +394,22 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 """
 
 
-def tma_name(warps: int, spw: int, bf16: bool) -> str:
-    """The name expression of one instantiation of the bulk-copy variant (spw: blocks of 128 inputs a warp)."""
-    return f"w4a16_k8_tma<{warps}, {spw}, {'true' if bf16 else 'false'}>"
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
-def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool) -> str:
+def tma_name(warps: int, spw: int, bf16: bool, xp: bool = False) -> str:
+    """The name expression of one instantiation of the bulk-copy variant (spw: blocks of 128 inputs a warp; xp: x in
+    x_order). It has no pre_quant_scale instantiation (with one, 8 and 16 warps spill at its 64 registers): the
+    register-fed kernel takes those layers."""
+    return f"w4a16_k8_tma<{warps}, {spw}, {_b(bf16)}, {_b(xp)}>"
+
+
+def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool, pqs: bool = False, xp: bool = False) -> str:
     """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, 128, or 0 for
-    groups that are larger multiples of 128)."""
-    return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {'true' if bf16 else 'false'}>"
+    groups that are larger multiples of 128; pqs: x multiplied by pre_quant_scale in the kernel; xp: x in x_order,
+    not with pqs)."""
+    if pqs and xp:
+        raise ValueError("x in x_order comes with pre_quant_scale applied: no instantiation takes both")
+    return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {_b(bf16)}, {_b(pqs)}, {_b(xp)}>"
 

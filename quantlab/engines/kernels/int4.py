@@ -344,6 +344,10 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     else:
         cfg = config
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if cfg.get("xp"):  # the kernel reading x in x_order (checks, the sweep): x ordered here, as the layers do
+        if pqs is not None:
+            x, pqs = x * pqs, None
+        return _k8_mma(x[:, x_order(k, x.device)], qweight, scales_t, None, group, cfg, y, explicit=True)
     if cfg.get("mma"):
         try:
             return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y, explicit=config is not None)
@@ -470,17 +474,19 @@ class MmaUnavailable(RuntimeError):
 _MMA_BAD: dict = {}
 
 
-def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype, k_of_tma: int = 0):
-    """(module, name) of the configuration's instantiation on this device: compiled on first use and checked on one
-    small case against float64 before it multiplies anything (MmaUnavailable, with the reason, where either
-    fails; remembered for the process)."""
+def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype, k_of_tma: int = 0,
+                pqs: bool = False):
+    """(module, name) of the configuration's instantiation on this device (pqs: the one multiplying x by
+    pre_quant_scale): compiled on first use and checked on one small case against float64 before it multiplies
+    anything (MmaUnavailable, with the reason, where either fails; remembered for the process)."""
     from quantlab.engines.kernels import _int4_cuda
 
-    bf16 = dtype == torch.bfloat16
+    bf16, xp = dtype == torch.bfloat16, bool(cfg.get("xp"))
     if cfg.get("tma"):
-        name = _int4_cuda.tma_name(cfg["warps"], k_of_tma // 128 // cfg["warps"], bf16)
+        name = _int4_cuda.tma_name(cfg["warps"], k_of_tma // 128 // cfg["warps"], bf16, xp)
     else:
-        name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), group if group <= 128 else 0, bf16)
+        name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), group if group <= 128 else 0, bf16,
+                               pqs, xp)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
     if key in _MMA_BAD:
@@ -498,9 +504,9 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
             _MMA_BAD[key] = f"{name} on cuda:{index}: {exc}"
             raise MmaUnavailable(_MMA_BAD[key]) from exc
         if cfg.get("tma"):  # its instantiation is for one K; two tiles (two CTAs) and one row
-            case = (1, 32, k_of_tma, group, True)
-        else:
-            case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, True)
+            case = (1, 32, k_of_tma, group, pqs)
+        else:  # (with pre_quant_scale exactly when the instantiation multiplies by it: check() runs this one)
+            case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, pqs)
         bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
                                         variants=((name, cfg),)))
         if bad:
@@ -516,42 +522,50 @@ _TMA_SAID: set = set()
 def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
             cfg: dict, y: torch.Tensor, explicit: bool = False) -> torch.Tensor:
     """Up to MMA_ROWS rows on tensor cores into y [M, N] (x times pre_quant_scale rounded to x's dtype first, as
-    the reference). A bulk-copy configuration the shape or device does not take, or whose kernel cannot run, runs
-    the register-fed kernel (the same arithmetic) when routed here, and raises when asked for (explicit)."""
+    the reference: in the kernel, as x is loaded). A bulk-copy configuration the shape or device does not take, or
+    whose kernel cannot run, runs the register-fed kernel (the same arithmetic) when routed here, and raises when
+    asked for (explicit)."""
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
     if (not mma_applies(m, n, k, group, x.dtype) or n % rows or not x.is_cuda or scales_t.dtype != x.dtype
-            or qweight.dtype != torch.int32):
+            or qweight.dtype != torch.int32 or (pqs is not None and (pqs.dtype != x.dtype or pqs.numel() != k))):
         raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows, N a multiple of {rows}, and "
-                         f"CUDA bf16 / fp16 inputs with scales of the same dtype on the k8 layout; got M={m}, N={n}, "
-                         f"K={k}, group {group}, x {x.dtype} on {x.device}, scales {scales_t.dtype}, codes "
-                         f"{qweight.dtype}")
-    if pqs is not None:
-        x = x * pqs
-    tma = bool(cfg.get("tma")) and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
+                         f"CUDA bf16 / fp16 inputs with scales (and pre_quant_scale [K]) of the same dtype on the k8 "
+                         f"layout; got M={m}, N={n}, K={k}, group {group}, x {x.dtype} on {x.device}, scales "
+                         f"{scales_t.dtype}, codes {qweight.dtype}, pre_quant_scale "
+                         f"{None if pqs is None else (pqs.dtype, tuple(pqs.shape))}")
+    if pqs is not None and (pqs.stride(-1) != 1 or pqs.data_ptr() % 16):
+        pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
+    xp = bool(cfg.get("xp"))
+    if xp and pqs is not None:
+        raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
+    tma = bool(cfg.get("tma")) and pqs is None and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
     if cfg.get("tma") and not tma:
         if explicit:
             raise ValueError(f"the bulk-copy W4A16 kernel takes one row, group 128, K in whole rounds of "
-                             f"{cfg['warps']} warps (at most 8 blocks a warp) on compute capability 9.x / 10.x; got "
-                             f"M={m}, K={k}, group {group}")
-        cfg, rows = mma_config(k), 16  # routed here by a CONFIGS entry: the register-fed kernel, same arithmetic
-    if x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 16:
+                             f"{cfg['warps']} warps (at most 8 blocks a warp) on compute capability 9.x / 10.x, and "
+                             f"no pre_quant_scale; got M={m}, K={k}, group {group}, pre_quant_scale "
+                             f"{'given' if pqs is not None else 'none'}")
+        cfg, rows = {**mma_config(k), "xp": xp}, 16  # routed by a CONFIGS entry: the register-fed kernel, same sums
+    if x.stride(1) != 1 or x.stride(0) % (8 if xp else 4) or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh (aligned) contiguous copy
+    scaled = pqs is not None
     try:
-        module, name = _mma_kernel(x.device, cfg, group, x.dtype, k if tma else 0)
+        module, name = _mma_kernel(x.device, cfg, group, x.dtype, k if tma else 0, scaled)
     except MmaUnavailable as exc:
         if not tma or explicit:
             raise
         if (x.device, k) not in _TMA_SAID:
             _TMA_SAID.add((x.device, k))
             log.warning("int4: %s; the register-fed tensor-core kernel runs instead", exc)
-        cfg, rows, tma = mma_config(k), 16, False
-        module, name = _mma_kernel(x.device, cfg, group, x.dtype)
+        cfg, rows, tma = {**mma_config(k), "xp": xp}, 16, False
+        module, name = _mma_kernel(x.device, cfg, group, x.dtype, 0, scaled)
     shared = tma_shared(k) if tma else 0
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
-                      [x, qweight, scales_t, y, m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
+                      [x, qweight, scales_t, pqs if scaled else scales_t, y, m, n, k, x.stride(0),
+                       scales_t.stride(0), y.stride(0), group],
                       shared=shared, pdl=cuda_rtc.pdl_on(x.device))
     return y
 
@@ -582,6 +596,68 @@ def w4a16_k8(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs
 
 @w4a16_k8.register_fake
 def _(x, qweight, _scales_t, _pqs, _group):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ x in x_order
+# At one row the tensor-core kernel builds each mma's B registers from x by byte permutes (pair_of: ~16 a block and
+# thread). Given x in x_order instead - thread t's 32 inputs of a block in the order of its B registers - it loads
+# them with four 16-byte loads and permutes nothing (bench/int4_mma_variants.py MODE 97: 1-2 us a layer at the 8B
+# shapes). The layers gather x into that order (x[:, x_order]) where torch.compile fuses the gather into the op that
+# produces x (a norm, the activation); QUANTLAB_INT4_XORDER=0 turns it off.
+_X_ORDER: dict = {}
+
+
+def x_order(k: int, device: torch.device | str) -> torch.Tensor:
+    """The input order the x_order kernels read (int64 [K] on `device`, cached): position 128b + 32t + 8e + 2j + s
+    holds input 128b + 16(j + 4s) + 4t + e (block b, thread t, element e, B register j = 2h + r, half s)."""
+    dev = torch.device(device)
+    key = (k, str(dev))
+    if key not in _X_ORDER:
+        b, t, e, j, s = torch.meshgrid(*(torch.arange(n) for n in (k // 128, 4, 4, 4, 2)), indexing="ij")
+        _X_ORDER[key] = (128 * b + 16 * (j + 4 * s) + 4 * t + e).reshape(-1).to(dev)
+    return _X_ORDER[key]
+
+
+def ordered_on(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether layers on this device and dtype hand their one-row GEMMs x in x_order: the tensor-core kernel runs
+    here (mma_on) and QUANTLAB_INT4_XORDER is not 0 (decided when the layers are built, outside compiled code)."""
+    return cuda_rtc.switch("QUANTLAB_INT4_XORDER") and mma_on(device, dtype)
+
+
+def ordered_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    """Shapes that take x in x_order: one row, the tensor-core kernel's shapes (plain integers: safe to ask while
+    torch.compile traces)."""
+    return m == 1 and mma_applies(m, n, k, group, dtype)
+
+
+def k8_launch_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
+    """x [1, K] in x_order (pre_quant_scale applied) -> y [1, N]: the tensor-core kernel of the shape's configuration
+    (CONFIGS, else mma_config) reading x as ordered; where that kernel cannot run, x is put back in the layer's order
+    and k8_launch runs (the same product)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = CONFIGS.get((m_bucket(m), n, k))
+    cfg = {**(cfg if cfg and cfg.get("mma") else mma_config(k)), "xp": True}
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    try:
+        return _k8_mma(x, qweight, scales_t, None, group, cfg, y)
+    except MmaUnavailable as exc:
+        log.warning("int4: %s; x is put back in order for the other kernels", exc)
+        order = x_order(k, x.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(k, device=x.device)
+        return k8_launch(x[:, inverse], qweight, scales_t, None, group)
+
+
+@torch.library.custom_op("quantlab::w4a16_k8_ordered", mutates_args=())
+def w4a16_k8_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
+    """k8_launch_ordered as one opaque op."""
+    return k8_launch_ordered(x, qweight, scales_t, group)
+
+
+@w4a16_k8_ordered.register_fake
+def _(x, qweight, _scales_t, _group):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
@@ -664,9 +740,11 @@ def check(device: str = "cpu", dtypes=(torch.float16, torch.float32), cases=CHEC
             if "k8" in layouts and k8_supported(n, k, group):
                 kernels += [(name, "k8", cfg) for name, cfg in k8_variants(rows, k)]
             if "mma" in layouts and str(device).startswith("cuda") and mma_applies(rows, n, k, group, dtype):
-                kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS + TMA_VARIANTS
+                kernels += [(name, "k8", cfg) for name, cfg in variants or MMA_VARIANTS + XP_VARIANTS + TMA_VARIANTS
                             if n % (16 * cfg.get("tiles", 1)) == 0
-                            and (not cfg.get("tma") or tma_applies(rows, n, k, group, dtype, device, cfg["warps"]))]
+                            and (not cfg.get("tma") or (not has_pqs
+                                                        and tma_applies(rows, n, k, group, dtype, device,
+                                                                        cfg["warps"])))]
             _one_case(out, device, case, (x, packed, scales, pqs, dtype), kernels)
     return out
 
@@ -680,7 +758,11 @@ MMA_VARIANTS = (("k8_mma_w4u2", {"mma": True, "warps": 4, "unroll": 2, "tiles": 
                 ("k8_mma_w4u1t2", {"mma": True, "warps": 4, "unroll": 1, "tiles": 2}))
 # the bulk-copy variant where tma_applies (one row, group 128): in check()'s default set, not in mma_usable's (a
 # failure of it alone leaves the register-fed kernel in use; its instantiations are checked on first use)
-TMA_VARIANTS = (("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}),)
+TMA_VARIANTS = (("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}),
+                ("k8_tma_w4_xorder", {"mma": True, "tma": True, "warps": 4, "xp": True}))
+# the kernels reading x in x_order (x_order; one row in the engine, any rows here): in check()'s default set too
+XP_VARIANTS = (("k8_mma_w4u1_xorder", {"mma": True, "warps": 4, "unroll": 1, "tiles": 1, "xp": True}),
+               ("k8_mma_w8u2t2_xorder", {"mma": True, "warps": 8, "unroll": 2, "tiles": 2, "xp": True}))
 _USABLE: dict = {}
 
 
