@@ -141,11 +141,12 @@ def environment() -> dict:
     del src, dst
     out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
            "transformers": transformers.__version__, "triton": triton_version, "copy_bandwidth_GBps": bandwidth / 1e9,
-           "pdl": cuda_rtc.pdl_on(DEVICE), "int4_xorder": cuda_rtc.switch("QUANTLAB_INT4_XORDER")}
+           "pdl": cuda_rtc.pdl_on(DEVICE), "int4_xorder": cuda_rtc.switch("QUANTLAB_INT4_XORDER"),
+           "int4_epilogue": cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE")}
     say(f"{out['gpu']}: torch {out['torch']}, transformers {out['transformers']}, triton {triton_version}; "
         f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); programmatic dependent launch "
         f"{'on' if out['pdl'] else 'off'} (QUANTLAB_PDL); INT4 x in x_order {'on' if out['int4_xorder'] else 'off'} "
-        "(QUANTLAB_INT4_XORDER)")
+        f"(QUANTLAB_INT4_XORDER), gated epilogue {'on' if out['int4_epilogue'] else 'off'} (QUANTLAB_INT4_EPILOGUE)")
     return out
 
 

@@ -326,6 +326,12 @@ out["fusion"] = {"groups": qlayers.fuse_int4_siblings(model),
                  "mlp": type(model.model.layers[0].mlp).__name__,
                  "o_proj_pqs_in_op": [layer.self_attn.o_proj.pqs_in_op for layer in model.model.layers],
                  "same_logits": bool(torch.equal(before, engine.logits(tokens)))}
+# gate|up rows interleaved for the gated epilogue (a GPU's one-row path): more rows take the output apart
+for layer in model.model.layers:
+    mlp = layer.mlp
+    mlp.weight_packed, mlp.weight_scale = int4.interleave_gated(mlp.weight_packed, mlp.weight_scale)
+    mlp.gated = True
+out["interleaved_max_diff"] = float((before - engine.logits(tokens)).abs().max())
 print("RESULT" + json.dumps(out))
 """
 
@@ -358,6 +364,7 @@ def test_int4_kernels_under_triton_interpreter():
     assert out["repack"]["layers"] == 14 and out["repack"]["max_diff"] < 1e-3, out["repack"]  # fp32: order only
     assert out["fusion"] == {"groups": 4, "mlp": "Int4GatedMLP", "o_proj_pqs_in_op": [True, True],
                              "same_logits": True}, out["fusion"]
+    assert out["interleaved_max_diff"] < 1e-3, out  # fp32: rows in other tiles, the sums' order only
 
 
 # ------------------------------------------------------------------------------------------------ FP8 GEMV

@@ -29,11 +29,16 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
         names += _names([(8, 2, 1), (4, 1, 2)], (16, 32, 64), (True, False))
         names += [_int4_cuda.tma_name(w, spw, bf16, xp) for w, spw in ((4, 8), (8, 4), (16, 2), (4, 1), (8, 8))
                   for bf16 in (True, False) for xp in (False, True)]
+        # the gated epilogue (flags: gated, + scale, + order)
+        names += [_int4_cuda.tma_name(w, spw, bf16, True, epi) for w, spw in ((4, 8), (8, 4), (16, 2))
+                  for bf16 in (True, False) for epi in (1, 3, 7)]
     else:
         names = _names([(8, 2, 1), (16, 1, 1), (8, 1, 2)], (0, 64, 128), (True, False), ((False, False), (False, True)))
         # pre_quant_scale in the kernel (the attention output's projection, one tile a warp unless CONFIGS says
         # otherwise; with two tiles and groups of 64 it spills 8 bytes on sm_80)
         names += _names([(8, 2, 1), (16, 1, 1)], (0, 64, 128), (True, False), ((True, False),))
+    names += [_int4_cuda.name(w, u, 1, gs, bf16, False, True, epi) for w, u in ((4, 1), (16, 1), (8, 2))
+              for gs in (0, 64, 128) for bf16 in (True, False) for epi in (1, 7)]
     log: list[str] = []
     cubin, lowered = cuda_rtc.compile_kernels(_int4_cuda.SOURCE, names, arch, ("--ptxas-options=--warn-on-spills",),
                                               log)
@@ -298,3 +303,39 @@ def test_a_kernel_check_that_ran_nothing_or_raised_is_a_failure():
     assert int4.failed_rows(lambda: []) == [{"error": "the check ran no case"}]
     assert "ValueError: boom" in int4.failed_rows(lambda: (_ for _ in ()).throw(ValueError("boom")))[0]["error"]
     assert int4.tma_shared(4096) == 32 * 1024  # a 16-row tile's codes at K 4096
+
+
+def _x_position(i: int) -> int:
+    """_int4_cuda's x_position, expression for expression."""
+    r, jj = i & 127, (i & 127) >> 4
+    return (i & ~127) + 32 * ((r >> 2) & 3) + 8 * (r & 3) + 2 * (jj & 3) + (jj >> 2)
+
+
+def test_gated_epilogue_indexing_matches_the_torch_path():
+    """The gated epilogue's indexing on the CPU: interleave_gated puts gate row 8i + r at tile row r and up row 8i + r
+    at tile row 8 + r of tile i, so the CTA of tile i writes output 8i + r (finish: n0 / 2 + row) from its rows r and
+    8 + r; with ORDER at x_position(out), x_order's inverse. The same values as gated_torch (deinterleave, silu, up,
+    scale, order) and as the layers' unfused gate / up."""
+    g = torch.Generator().manual_seed(11)
+    inter, k = 256, 256
+    packed = torch.randint(0, 256, (inter, k), generator=g, dtype=torch.uint8)  # gate|up: 2 * inter rows
+    scales = (torch.rand(2 * inter, k // 64, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    qweight, scales_t = int4.repack(packed, scales)
+    w = int4.k8_dequantized(qweight, scales_t, 64).float()
+    wi = int4.k8_dequantized(*int4.interleave_gated(qweight, scales_t), 64).float()
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).float()
+    y, yi = (x @ w.t()).to(torch.bfloat16), (x @ wi.t()).to(torch.bfloat16)
+    gate, up = int4.deinterleave_gated(yi)
+    assert torch.equal(gate, y[:, :inter]) and torch.equal(up, y[:, inter:])
+    order = int4.x_order(inter, "cpu")
+    assert all(int(order[_x_position(i)]) == i for i in range(inter))  # x_position inverts x_order
+    scale = (torch.rand(inter, generator=g) + 0.5).to(torch.bfloat16)
+    h = torch.zeros(1, inter, dtype=torch.bfloat16)
+    for tile in range(2 * inter // 16):  # finish's gated loop, per CTA (n0 = 16 tile) and row
+        for row in range(8):
+            out = tile * 8 + row
+            a = torch.nn.functional.silu(yi[0, 16 * tile + row])
+            h[0, _x_position(out)] = (a * yi[0, 16 * tile + 8 + row]) * scale[out]
+    assert torch.equal(h, int4.gated_torch(yi, scale, True))
+    natural = h[:, torch.argsort(order)]  # input i sits at x_position(i)
+    assert torch.equal(natural, (torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]) * scale)

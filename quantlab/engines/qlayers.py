@@ -674,7 +674,13 @@ class SiblingGemm:
 class Int4GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with packed W4A16 gate/up as one GEMM over their concatenated codes (the same
     values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
-    modeling code computes them, then down."""
+    modeling code computes them, then down.
+
+    Where the activation is SiLU and the one-row tensor-core kernel reads x in x_order here (gate.x_index), the
+    gate|up rows are interleaved (int4.interleave_gated) and one row runs the kernel's gated epilogue
+    (quantlab::w4a16_k8_gated: silu(gate) * up, times down's pre_quant_scale, in down's x_order), then down's GEMM
+    on that as is; more rows take the plain GEMM's output apart (int4.deinterleave_gated). QUANTLAB_INT4_EPILOGUE=0
+    keeps the rows and the activation as they are."""
 
     @property
     def layout(self) -> str:
@@ -690,15 +696,60 @@ class Int4GatedMLP(nn.Module):
         self.block, self.inter, self.x_index = gate.block, gate.out_features, gate.x_index
         self.down, self.act_fn = down, act_fn
         self.kernel = f"{gate.kernel}: gate|up one GEMM, down"
+        self.gated = self._gated_epilogue(gate, down)
+        if self.gated:
+            from quantlab.engines.kernels import int4
+
+            self.weight_packed, self.weight_scale = int4.interleave_gated(self.weight_packed, self.weight_scale)
+            self.kernel = f"{gate.kernel}: gate|up one GEMM (one row: SiLU * up in its epilogue), down"
+
+    def _gated_epilogue(self, gate: Int4AwqLinear, down: nn.Module) -> bool:
+        """Whether one row takes the gated epilogue: k8 layout, the x_order kernels here, the switch on, 8-row groups,
+        an activation that computes SiLU (probed: its values equal torch's silu over [-20, 20]), and a down projection
+        that is a packed k8 layer reading its input as given (no bias, its pre_quant_scale not in its op)."""
+        from quantlab.engines.kernels import cuda_rtc
+
+        if (self.layout != "k8" or gate.x_index is None or self.inter % 8 or self.weight_scale.dtype not in (
+                torch.bfloat16, torch.float16) or not cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE")):
+            return False
+        if not (isinstance(down, Int4AwqLinear) and down.layout == "k8" and down.bias is None and not down.pqs_in_op
+                and down.in_features == self.inter):
+            return False
+        probe = torch.linspace(-20, 20, 4097, device=self.weight_scale.device).to(self.weight_scale.dtype)
+        with torch.no_grad():
+            return bool(torch.equal(self.act_fn(probe), nn.functional.silu(probe)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate(x)) * up(x)), gate|up one packed GEMM."""
         shape = x.shape
-        y = w4a16(x.reshape(-1, shape[-1]), self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block,
-                  x_index=self.x_index)
+        rows = x.reshape(-1, shape[-1])
+        if self.gated and rows.shape[0] == 1:
+            return self._gated_row(rows).to(x.dtype).reshape(*shape[:-1], -1)
+        y = w4a16(rows, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block, x_index=self.x_index)
         y = y.to(x.dtype)
-        h = self.act_fn(y[:, : self.inter]) * y[:, self.inter:]
+        if self.gated:
+            from quantlab.engines.kernels import int4
+
+            gate, up = int4.deinterleave_gated(y)
+        else:
+            gate, up = y[:, : self.inter], y[:, self.inter:]
+        h = self.act_fn(gate) * up
         return self.down(h).reshape(*shape[:-1], -1)
+
+    def _gated_row(self, rows: torch.Tensor) -> torch.Tensor:
+        """One row: gate|up with the gated epilogue writing down's input (scaled, in down's x_order where it reads
+        that), then down's GEMM."""
+        down = self.down
+        x = rows.to(self.weight_scale.dtype)
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
+        h = torch.ops.quantlab.w4a16_k8_gated(x[:, self.x_index], self.weight_packed, self.weight_scale,
+                                              down.pre_quant_scale, self.block, down.x_index is not None)
+        if down.x_index is not None:
+            y = torch.ops.quantlab.w4a16_k8_ordered(h, down.weight_packed, down.weight_scale, down.block)
+        else:
+            y = torch.ops.quantlab.w4a16_k8(h, down.weight_packed, down.weight_scale, None, down.block)
+        return y.float()
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -219,10 +219,32 @@ __device__ __forceinline__ void block_mma(float (&acc)[2][4], uint4 w0, uint4 w1
     }
 }
 
-// The warps' partials (acc of RT row tiles) summed in warp order from shared memory; batch rows < M written.
-template <int WARPS, int RT, bool BF16>
+template <bool BF16>
+__device__ __forceinline__ float widen16(u16 h) {
+    if (BF16) return __uint_as_float((u32)h << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Epilogue flags (EPI): GATED - the tile's rows 0..7 are gate rows and 8..15 the up rows of the same 8 outputs
+// (int4.interleave_gated): h = silu(gate) * up is written (N / 2 outputs), each step rounded to the 16-bit type as
+// torch computes act(gate) * up; SCALE - h times the next layer's pre_quant_scale (q [N / 2]), rounded once; ORDER - h
+// written in that layer's x_order (x_position), so the next GEMM reads it as is.
+constexpr int EPI_GATED = 1, EPI_SCALE = 2, EPI_ORDER = 4;
+
+// Where input i sits in x_order: i = 128b + 16(j + 4s) + 4t + e -> 128b + 32t + 8e + 2j + s.
+__device__ __forceinline__ int x_position(int i) {
+    const int r = i & 127, jj = r >> 4;
+    return (i & ~127) + 32 * ((r >> 2) & 3) + 8 * (r & 3) + 2 * (jj & 3) + (jj >> 2);
+}
+
+// The warps' partials (acc of RT row tiles) summed in warp order from shared memory; batch rows < M written (EPI: the
+// gated outputs instead, one tile a warp).
+template <int WARPS, int RT, bool BF16, int EPI = 0>
 __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const float (&acc)[RT][2][4],
-                                       u16* __restrict__ y, int M, int sy, int n0) {
+                                       u16* __restrict__ y, int M, int sy, int n0,
+                                       const u16* __restrict__ q = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -233,6 +255,27 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
         red[warp][16 * r + g + 8][2 * t + 1] = acc[r][0][3] + acc[r][1][3];
     }
     __syncthreads();
+    if constexpr ((EPI & EPI_GATED) != 0) {
+        static_assert(RT == 1, "the gated epilogue takes one row tile a CTA");
+        for (int i = threadIdx.x; i < 64; i += WARPS * 32) {
+            const int row = i >> 3, col = i & 7;
+            if (col < M) {
+                float vg = 0.f, vu = 0.f;
+#pragma unroll
+                for (int k = 0; k < WARPS; ++k) {
+                    vg += red[k][row][col];
+                    vu += red[k][row + 8][col];
+                }
+                const float g = widen16<BF16>(round16<BF16>(vg)), u = widen16<BF16>(round16<BF16>(vu));
+                const float a = widen16<BF16>(round16<BF16>(g / (1.0f + expf(-g))));
+                u16 h = round16<BF16>(a * u);
+                const int out = (n0 >> 1) + row;
+                if constexpr ((EPI & EPI_SCALE) != 0) h = round16<BF16>(widen16<BF16>(h) * widen16<BF16>(q[out]));
+                y[(size_t)col * sy + ((EPI & EPI_ORDER) != 0 ? x_position(out) : out)] = h;
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < 128 * RT; i += WARPS * 32) {
         const int row = i >> 3, col = i & 7;
         if (col < M) {
@@ -250,7 +293,7 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
 // PQS: x is multiplied by pre_quant_scale p [K] as it is loaded (scale_x: torch's x * p, value for value); the
 // engine asks for it where the product cannot be fused into the op producing x (the attention output's projection).
 // XP: x comes in x_order (XPerm; the engine's gather, fused by torch.compile into the op producing x).
-template <int WARPS, int UNROLL, int RT, int GS, bool BF16, bool PQS, bool XP>
+template <int WARPS, int UNROLL, int RT, int GS, bool BF16, bool PQS, bool XP, int EPI = 0>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
              const u16* __restrict__ p, u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
@@ -315,7 +358,8 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
             }
         }
     }
-    finish<WARPS, RT, BF16>(red, acc, y, M, sy, n0);
+    static_assert(!(PQS && EPI), "p is the epilogue's scale there");
+    finish<WARPS, RT, BF16, EPI>(red, acc, y, M, sy, n0, p);
 }
 
 // TMA variant (sm_90): one row (M == 1), group 128, one 16-row tile a CTA, nb == WARPS * SPW. The tile's codes (one
@@ -342,7 +386,7 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* bar) {  // each ba
     }
 }
 
-template <int WARPS, int SPW, bool BF16, bool XP>
+template <int WARPS, int SPW, bool BF16, bool XP, int EPI = 0>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
              const u16* __restrict__ p, u16* __restrict__ y, int M, int N, int K, int sx, int ss, int sy, int group) {
@@ -389,7 +433,7 @@ w4a16_k8_tma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
         block_mma<BF16, 1>(acc[0], staged[(b * 16 + g) * 4 + t], staged[(b * 16 + g + 8) * 4 + t], xv, sv[i][0],
                            sv[i][1]);
     }
-    finish<WARPS, 1, BF16>(red, acc, y, M, sy, n0);
+    finish<WARPS, 1, BF16, EPI>(red, acc, y, M, sy, n0, p);
 }
 """
 
@@ -398,18 +442,24 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def tma_name(warps: int, spw: int, bf16: bool, xp: bool = False) -> str:
+EPI_GATED, EPI_SCALE, EPI_ORDER = 1, 2, 4  # the epilogue flags (finish)
+
+
+def tma_name(warps: int, spw: int, bf16: bool, xp: bool = False, epi: int = 0) -> str:
     """The name expression of one instantiation of the bulk-copy variant (spw: blocks of 128 inputs a warp; xp: x in
-    x_order). It has no pre_quant_scale instantiation (with one, 8 and 16 warps spill at its 64 registers): the
-    register-fed kernel takes those layers."""
-    return f"w4a16_k8_tma<{warps}, {spw}, {_b(bf16)}, {_b(xp)}>"
+    x_order; epi: the epilogue flags). It has no pre_quant_scale instantiation (with one, 8 and 16 warps spill at its
+    64 registers): the register-fed kernel takes those layers."""
+    return f"w4a16_k8_tma<{warps}, {spw}, {_b(bf16)}, {_b(xp)}, {epi}>"
 
 
-def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool, pqs: bool = False, xp: bool = False) -> str:
+def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool, pqs: bool = False, xp: bool = False,
+         epi: int = 0) -> str:
     """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, 128, or 0 for
     groups that are larger multiples of 128; pqs: x multiplied by pre_quant_scale in the kernel; xp: x in x_order,
-    not with pqs)."""
-    if pqs and xp:
-        raise ValueError("x in x_order comes with pre_quant_scale applied: no instantiation takes both")
-    return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {_b(bf16)}, {_b(pqs)}, {_b(xp)}>"
+    not with pqs; epi: the epilogue flags, one tile a warp and not with pqs)."""
+    if pqs and (xp or epi):
+        raise ValueError("pre_quant_scale in the kernel goes with neither x in x_order nor an epilogue")
+    if epi and tiles != 1:
+        raise ValueError("the gated epilogue takes one row tile a warp")
+    return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {_b(bf16)}, {_b(pqs)}, {_b(xp)}, {epi}>"
 

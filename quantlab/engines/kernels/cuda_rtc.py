@@ -24,7 +24,7 @@ import torch
 #   before it touches what that one wrote, so its weight loads overlap the previous kernel's tail; 0 for a comparison
 #   or a driver that refuses it (each kernel then starts when the previous one has ended).
 # - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._compiled_forward).
-SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS", "QUANTLAB_INT4_XORDER")
+SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS", "QUANTLAB_INT4_XORDER", "QUANTLAB_INT4_EPILOGUE")
 
 
 def switch(name: str) -> bool:

@@ -481,12 +481,12 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     anything (MmaUnavailable, with the reason, where either fails; remembered for the process)."""
     from quantlab.engines.kernels import _int4_cuda
 
-    bf16, xp = dtype == torch.bfloat16, bool(cfg.get("xp"))
+    bf16, xp, epi = dtype == torch.bfloat16, bool(cfg.get("xp")), cfg.get("epi", 0)
     if cfg.get("tma"):
-        name = _int4_cuda.tma_name(cfg["warps"], k_of_tma // 128 // cfg["warps"], bf16, xp)
+        name = _int4_cuda.tma_name(cfg["warps"], k_of_tma // 128 // cfg["warps"], bf16, xp, epi)
     else:
         name = _int4_cuda.name(cfg["warps"], cfg["unroll"], cfg.get("tiles", 1), group if group <= 128 else 0, bf16,
-                               pqs, xp)
+                               pqs, xp, epi)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
     if key in _MMA_BAD:
@@ -507,8 +507,11 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
             case = (1, 32, k_of_tma, group, pqs)
         else:  # (with pre_quant_scale exactly when the instantiation multiplies by it: check() runs this one)
             case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, pqs)
-        bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
-                                        variants=((name, cfg),)))
+        if epi:
+            bad = failed_rows(lambda: check_gated(f"cuda:{index}", dtype, cfg, case[2], group, case[0]))
+        else:
+            bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
+                                            variants=((name, cfg),)))
         if bad:
             del _MMA_MODULES[key]
             _MMA_BAD[key] = f"{name} on cuda:{index} failed its first-use check: {bad[:1]}"
@@ -522,9 +525,10 @@ _TMA_SAID: set = set()
 def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
             cfg: dict, y: torch.Tensor, explicit: bool = False) -> torch.Tensor:
     """Up to MMA_ROWS rows on tensor cores into y [M, N] (x times pre_quant_scale rounded to x's dtype first, as
-    the reference: in the kernel, as x is loaded). A bulk-copy configuration the shape or device does not take, or
-    whose kernel cannot run, runs the register-fed kernel (the same arithmetic) when routed here, and raises when
-    asked for (explicit)."""
+    the reference: in the kernel, as x is loaded). cfg["xp"]: x is in x_order; cfg["epi"]: the gated epilogue
+    into y [M, N/2], `pqs` then being the epilogue's scale (int4 interleaved gate|up, see k8_launch_gated). A
+    bulk-copy configuration the shape or device does not take, or whose kernel cannot run, runs the register-fed
+    kernel (the same arithmetic) when routed here, and raises when asked for (explicit)."""
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
@@ -537,9 +541,13 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
                          f"{None if pqs is None else (pqs.dtype, tuple(pqs.shape))}")
     if pqs is not None and (pqs.stride(-1) != 1 or pqs.data_ptr() % 16):
         pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
-    xp = bool(cfg.get("xp"))
+    xp, epi = bool(cfg.get("xp")), cfg.get("epi", 0)
+    epi_scale, pqs = (pqs, None) if epi else (None, pqs)  # with an epilogue, `pqs` is the epilogue's scale
     if xp and pqs is not None:
         raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
+    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2):
+        raise ValueError(f"the gated epilogue takes one row tile a warp and N a multiple of 32 into y [M, N/2]; got "
+                         f"{rows} rows a CTA, N={n}, y {tuple(y.shape)}")
     tma = bool(cfg.get("tma")) and pqs is None and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
     if cfg.get("tma") and not tma:
         if explicit:
@@ -547,7 +555,7 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
                              f"{cfg['warps']} warps (at most 8 blocks a warp) on compute capability 9.x / 10.x, and "
                              f"no pre_quant_scale; got M={m}, K={k}, group {group}, pre_quant_scale "
                              f"{'given' if pqs is not None else 'none'}")
-        cfg, rows = {**mma_config(k), "xp": xp}, 16  # routed by a CONFIGS entry: the register-fed kernel, same sums
+        cfg, rows = {**mma_config(k), "xp": xp, "epi": epi}, 16  # routed by a CONFIGS entry: the register-fed kernel
     if x.stride(1) != 1 or x.stride(0) % (8 if xp else 4) or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh (aligned) contiguous copy
     scaled = pqs is not None
@@ -559,13 +567,13 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         if (x.device, k) not in _TMA_SAID:
             _TMA_SAID.add((x.device, k))
             log.warning("int4: %s; the register-fed tensor-core kernel runs instead", exc)
-        cfg, rows, tma = {**mma_config(k), "xp": xp}, 16, False
+        cfg, rows, tma = {**mma_config(k), "xp": xp, "epi": epi}, 16, False
         module, name = _mma_kernel(x.device, cfg, group, x.dtype, 0, scaled)
     shared = tma_shared(k) if tma else 0
     with torch.cuda.device(x.device):
         module.launch(name, (n // rows, 1, 1), (32 * cfg["warps"], 1, 1),
-                      [x, qweight, scales_t, pqs if scaled else scales_t, y, m, n, k, x.stride(0),
-                       scales_t.stride(0), y.stride(0), group],
+                      [x, qweight, scales_t, pqs if scaled else epi_scale if epi_scale is not None else scales_t, y,
+                       m, n, k, x.stride(0), scales_t.stride(0), y.stride(0), group],
                       shared=shared, pdl=cuda_rtc.pdl_on(x.device))
     return y
 
@@ -659,6 +667,111 @@ def w4a16_k8_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Ten
 @w4a16_k8_ordered.register_fake
 def _(x, qweight, _scales_t, _group):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ gated epilogue
+# A gated MLP's gate|up GEMM at one row with SiLU applied in the kernel: the rows interleaved so that each 16-row tile
+# holds 8 gate rows and the same 8 up rows (interleave_gated), the CTA then writes h = silu(gate) * up, times the down
+# projection's pre_quant_scale, in the down projection's x_order (the EPI flags of _int4_cuda): the activation's own
+# kernel goes. QUANTLAB_INT4_EPILOGUE=0 turns it off.
+def interleave_gated(qweight: torch.Tensor, scales_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k8 gate|up (gate rows, then up rows: [2I, K/8] codes, [K/g, 2I] scales) -> the rows in tiles of 8 gate rows
+    then the same 8 up rows (row 16i + r: gate 8i + r; 16i + 8 + r: up 8i + r)."""
+    n = qweight.shape[0]
+    inter = n // 2
+    if n % 2 or inter % 8:
+        raise ValueError(f"gate|up interleaving takes 8-row groups; got {n} rows")
+    i = torch.arange(inter // 8, device=qweight.device)[:, None, None] * 8
+    half = torch.arange(2, device=qweight.device)[None, :, None] * inter
+    src = (i + half + torch.arange(8, device=qweight.device)[None, None, :]).reshape(-1)
+    return _tile(_untile(qweight)[src].contiguous()), scales_t[:, src].contiguous()
+
+
+def deinterleave_gated(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of the interleaved gate|up GEMM [M, 2I] -> (gate [M, I], up [M, I]) (views a compiled graph fuses
+    into their consumer)."""
+    m, n = y.shape
+    t = y.view(m, n // 16, 2, 8)
+    return t[:, :, 0].reshape(m, n // 2), t[:, :, 1].reshape(m, n // 2)
+
+
+def gated_torch(y: torch.Tensor, scale: torch.Tensor | None, order_out: bool) -> torch.Tensor:
+    """What the gated epilogue writes, in torch: silu(gate) * up from the interleaved output y, times scale, in
+    x_order when order_out."""
+    gate, up = deinterleave_gated(y)
+    h = torch.nn.functional.silu(gate) * up
+    if scale is not None:
+        h = h * scale
+    return h[:, x_order(h.shape[1], h.device)] if order_out else h
+
+
+def epilogue_cfg(m: int, n: int, k: int, scaled: bool, order_out: bool) -> dict:
+    """The one-row kernel's configuration for the interleaved gate|up: the shape's (CONFIGS or mma_config), one tile a
+    warp, x in x_order, the epilogue flags."""
+    cfg = CONFIGS.get((m_bucket(m), n, k))
+    cfg = dict(cfg) if cfg and cfg.get("mma") and cfg.get("tiles", 1) == 1 else mma_config(k)
+    epi = _EPI_GATED | (_EPI_SCALE if scaled else 0) | (_EPI_ORDER if order_out else 0)
+    return {**cfg, "xp": True, "epi": epi}
+
+
+_EPI_GATED, _EPI_SCALE, _EPI_ORDER = 1, 2, 4  # _int4_cuda.EPI_* (int4 does not import _int4_cuda at load)
+
+
+def k8_launch_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, scale: torch.Tensor | None,
+                    group: int, order_out: bool, cfg: dict | None = None) -> torch.Tensor:
+    """x [M, K] in x_order (pre_quant_scale applied), the interleaved gate|up codes and scales -> h [M, N/2]
+    (gated_torch's values); where the kernel cannot run, x is put back in order, k8_launch runs and gated_torch."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = cfg or epilogue_cfg(m, n, k, scale is not None, order_out)
+    y = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    if scale is not None and (scale.dtype != x.dtype or scale.numel() != n // 2 or scale.stride(-1) != 1):
+        raise ValueError(f"the epilogue's scale must be [{n // 2}] contiguous in {x.dtype}")
+    try:
+        return _k8_mma(x, qweight, scales_t, scale, group, cfg, y)  # (the epilogue's scale in pqs's place)
+    except MmaUnavailable as exc:
+        log.warning("int4: %s; the gated MLP's activation runs in torch", exc)
+        order = x_order(k, x.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(k, device=x.device)
+        return gated_torch(k8_launch(x[:, inverse], qweight, scales_t, None, group), scale, order_out)
+
+
+@torch.library.custom_op("quantlab::w4a16_k8_gated", mutates_args=())
+def w4a16_k8_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, scale: torch.Tensor | None,
+                   group: int, order_out: bool) -> torch.Tensor:
+    """k8_launch_gated as one opaque op."""
+    return k8_launch_gated(x, qweight, scales_t, scale, group, order_out)
+
+
+@w4a16_k8_gated.register_fake
+def _(x, qweight, _scales_t, _scale, _group, _order_out):
+    return x.new_empty(x.shape[0], qweight.shape[0] // 2)
+
+
+def check_gated(device: str, dtype: torch.dtype, cfg: dict, k: int, group: int, rows: int = 1,
+                seed: int = 0) -> list[dict]:
+    """The gated epilogue against the same kernel without it followed by gated_torch (the sums are the same, value
+    for value; the activation may differ from torch's by its last rounding): each output within 2 units in the last
+    place of the 16-bit type. One row per flag combination the configuration's epilogue has (scale, order)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 256  # 128 outputs: whole blocks of the next layer's x_order
+    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
+    qweight, scales_t = interleave_gated(*repack(packed.to(device), scales.to(device)))
+    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+    scale = (torch.rand(n // 2, generator=g) + 0.5).to(dtype).to(device) if cfg["epi"] & _EPI_SCALE else None
+    order_out = bool(cfg["epi"] & _EPI_ORDER)
+    xo = x[:, x_order(k, device)]
+    plain = {key: v for key, v in cfg.items() if key != "epi"}
+    ref = gated_torch(_k8_mma(xo, qweight, scales_t, None, group, plain, torch.empty(rows, n, dtype=dtype,
+                                                                                   device=device), explicit=True),
+                      scale, order_out).float()
+    got = _k8_mma(xo, qweight, scales_t, scale, group, cfg, torch.empty(rows, n // 2, dtype=dtype, device=device),
+                  explicit=True).float()
+    worst = float(((got - ref).abs() / (2 * torch.finfo(dtype).eps * ref.abs() + 1e-30)).max())
+    return [{"kernel": "gated epilogue", "epi": cfg["epi"], "dtype": str(dtype), "k": k, "rows": rows,
+             "worst": worst, "ok": worst <= 1.0 and bool(torch.isfinite(got).all())}]
 
 
 # ------------------------------------------------------------------------------------------------ checks
