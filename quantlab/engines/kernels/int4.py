@@ -532,6 +532,12 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
+    xp, epi = bool(cfg.get("xp")), cfg.get("epi", 0)
+    epi_scale, pqs = (pqs, None) if epi else (None, pqs)  # with an epilogue, `pqs` is the epilogue's scale
+    if epi_scale is not None and (epi_scale.dtype != x.dtype or epi_scale.numel() != n // 2
+                                  or epi_scale.stride(-1) != 1):
+        raise ValueError(f"the gated epilogue's scale must be [{n // 2}] contiguous in {x.dtype}; got "
+                         f"{epi_scale.dtype} {tuple(epi_scale.shape)}")
     if (not mma_applies(m, n, k, group, x.dtype) or n % rows or not x.is_cuda or scales_t.dtype != x.dtype
             or qweight.dtype != torch.int32 or (pqs is not None and (pqs.dtype != x.dtype or pqs.numel() != k))):
         raise ValueError(f"the tensor-core W4A16 kernel takes up to {MMA_ROWS} rows, N a multiple of {rows}, and "
@@ -541,8 +547,6 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
                          f"{None if pqs is None else (pqs.dtype, tuple(pqs.shape))}")
     if pqs is not None and (pqs.stride(-1) != 1 or pqs.data_ptr() % 16):
         pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
-    xp, epi = bool(cfg.get("xp")), cfg.get("epi", 0)
-    epi_scale, pqs = (pqs, None) if epi else (None, pqs)  # with an epilogue, `pqs` is the epilogue's scale
     if xp and pqs is not None:
         raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
     if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2):
@@ -725,8 +729,6 @@ def k8_launch_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tens
     n = qweight.shape[0]
     cfg = cfg or epilogue_cfg(m, n, k, scale is not None, order_out)
     y = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    if scale is not None and (scale.dtype != x.dtype or scale.numel() != n // 2 or scale.stride(-1) != 1):
-        raise ValueError(f"the epilogue's scale must be [{n // 2}] contiguous in {x.dtype}")
     try:
         return _k8_mma(x, qweight, scales_t, scale, group, cfg, y)  # (the epilogue's scale in pqs's place)
     except MmaUnavailable as exc:
