@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 
+from quantlab.engines import qlayers
 from quantlab.engines.int4_codes import unpack_int4
 from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4
 
@@ -229,9 +230,10 @@ def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma_warps, k
     xs = x * pqs if with_pqs else x  # torch's product in bf16: what the PQS instantiation must equal
     assert not with_pqs or not torch.equal(xs, x)
     exact = xs.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
-    if ordered:  # the layers hand the kernel x[:, x_order]: a permutation of the inputs
+    if ordered:  # the layers hand the kernel x in x_order (qlayers.in_x_order: the same order by views)
         order = int4.x_order(k, "cpu")
         assert torch.equal(order.sort().values, torch.arange(k))
+        assert torch.equal(qlayers.in_x_order(x), x[:, order])
         x = x[:, order]
     torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma_warps, pqs, ordered), exact, rtol=1e-12,
                                atol=1e-12)

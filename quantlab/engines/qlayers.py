@@ -323,7 +323,7 @@ class Int4AwqLinear(QuantLinear):
         # for layers whose input comes from an op torch.compile cannot fuse into (the attention output's projection;
         # fuse_int4_siblings sets it), where the product would otherwise be a kernel of its own
         self.pqs_in_op = False
-        self.x_index: torch.Tensor | None = None  # k8, one row: x handed to the kernel in int4.x_order (repack)
+        self.ordered = False  # k8, one row: x handed to the kernel in int4.x_order (set at repack)
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
@@ -361,7 +361,7 @@ class Int4AwqLinear(QuantLinear):
         device, dtype = self.weight_packed.device, self.weight_scale.dtype
         if int4.ordered_on(device, dtype) and int4.ordered_applies(1, self.out_features, self.in_features, self.block,
                                                                    dtype):
-            self.x_index = int4.x_order(self.in_features, device)
+            self.ordered = True
         self.kernel = int4.k8_kernels(str(self.weight_packed.device), self.weight_scale.dtype)
         return True
 
@@ -378,7 +378,7 @@ class Int4AwqLinear(QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_kernel:
             return w4a16(x, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block,
-                         self.pqs_in_op, self.x_index).float()
+                         self.pqs_in_op, self.ordered).float()
         x = x.to(self.weight.dtype)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
@@ -611,20 +611,28 @@ def use_fp8_gemv(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------- W4A16 sibling fusion
+def in_x_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] reordered into int4.x_order by views (input 128b + 64s + 16j + 4t + e to position 128b + 32t + 8e +
+    2j + s; the same order as int4.x_order's index, tested): index arithmetic, no index tensor to load."""
+    m, k = x.shape
+    return x.view(m, k // 128, 2, 4, 4, 4).permute(0, 1, 4, 5, 3, 2).reshape(m, k)
+
+
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
-          block: int, pqs_in_op: bool = False, x_index: torch.Tensor | None = None) -> torch.Tensor:
+          block: int, pqs_in_op: bool = False, ordered: bool = False) -> torch.Tensor:
     """The packed W4A16 GEMM on x [M, K] in the scales' dtype -> [M, N] in that dtype: quantlab::w4a16_k8 on the
     k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes). k8: pre_quant_scale multiplies
     x before the op (torch.compile fuses it into the producer, a norm or the activation), or inside it where
-    pqs_in_op (the same product, rounded once to the compute dtype). One row with x_index (int4.x_order, set at
-    repack where the tensor-core kernel runs): x gathered into that order, a gather torch.compile fuses into the
-    producer too, and quantlab::w4a16_k8_ordered (the same sums)."""
+    pqs_in_op (the same product, rounded once to the compute dtype). One row where `ordered` (set at repack where
+    the tensor-core kernel runs): x reordered into int4.x_order by views (in_x_order: index arithmetic torch.compile
+    fuses into the producer; a gather through an index tensor made each norm 2 us slower on the H200), and
+    quantlab::w4a16_k8_ordered (the same sums)."""
     if packed.dtype == torch.int32:
         x = x.to(scales.dtype)
         if pqs is not None and not pqs_in_op:
             x, pqs = x * pqs, None
-        if x_index is not None and pqs is None and x.shape[0] == 1:
-            return torch.ops.quantlab.w4a16_k8_ordered(x[:, x_index], packed, scales, block)
+        if ordered and pqs is None and x.shape[0] == 1:
+            return torch.ops.quantlab.w4a16_k8_ordered(in_x_order(x), packed, scales, block)
         return torch.ops.quantlab.w4a16_k8(x, packed, scales, pqs, block)
     return torch.ops.quantlab.w4a16_mm(x.to(scales.dtype), packed, scales, pqs, block)
 
@@ -647,7 +655,7 @@ class SiblingGemm:
 
     def __init__(self, layers: list[Int4AwqLinear]):
         self.packed, self.scales = _cat_packed(layers)
-        self.pqs, self.block, self.x_index = layers[0].pre_quant_scale, layers[0].block, layers[0].x_index
+        self.pqs, self.block, self.ordered = layers[0].pre_quant_scale, layers[0].block, layers[0].ordered
         self.bounds, start = [], 0
         k8 = layers[0].layout == "k8"
         for m in layers:
@@ -664,7 +672,7 @@ class SiblingGemm:
         took its columns."""
         held = self._held
         if held is None or held[0] is not x:
-            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block, x_index=self.x_index), self.count)
+            held = (x, w4a16(rows, self.packed, self.scales, self.pqs, self.block, ordered=self.ordered), self.count)
         left = held[2] - 1
         self._held = None if left == 0 else (held[0], held[1], left)
         lo, hi = self.bounds[index]
@@ -676,7 +684,7 @@ class Int4GatedMLP(nn.Module):
     values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
     modeling code computes them, then down.
 
-    Where the activation is SiLU and the one-row tensor-core kernel reads x in x_order here (gate.x_index), the
+    Where the activation is SiLU and the one-row tensor-core kernel reads x in x_order here (gate.ordered), the
     gate|up rows are interleaved (int4.interleave_gated) and one row runs the kernel's gated epilogue
     (quantlab::w4a16_k8_gated: silu(gate) * up, times down's pre_quant_scale, in down's x_order), then down's GEMM
     on that as is; more rows take the plain GEMM's output apart (int4.deinterleave_gated). QUANTLAB_INT4_EPILOGUE=0
@@ -693,7 +701,7 @@ class Int4GatedMLP(nn.Module):
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scales)
         self.register_buffer("pre_quant_scale", gate.pre_quant_scale)
-        self.block, self.inter, self.x_index = gate.block, gate.out_features, gate.x_index
+        self.block, self.inter, self.ordered = gate.block, gate.out_features, gate.ordered
         self.down, self.act_fn = down, act_fn
         self.kernel = f"{gate.kernel}: gate|up one GEMM, down"
         self.gated = self._gated_epilogue(gate, down)
@@ -709,7 +717,7 @@ class Int4GatedMLP(nn.Module):
         that is a packed k8 layer reading its input as given (no bias, its pre_quant_scale not in its op)."""
         from quantlab.engines.kernels import cuda_rtc
 
-        if (self.layout != "k8" or gate.x_index is None or self.inter % 8 or self.weight_scale.dtype not in (
+        if (self.layout != "k8" or not gate.ordered or self.inter % 8 or self.weight_scale.dtype not in (
                 torch.bfloat16, torch.float16) or not cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE")):
             return False
         if not (isinstance(down, Int4AwqLinear) and down.layout == "k8" and down.bias is None and not down.pqs_in_op
@@ -725,7 +733,7 @@ class Int4GatedMLP(nn.Module):
         rows = x.reshape(-1, shape[-1])
         if self.gated and rows.shape[0] == 1:
             return self._gated_row(rows).to(x.dtype).reshape(*shape[:-1], -1)
-        y = w4a16(rows, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block, x_index=self.x_index)
+        y = w4a16(rows, self.weight_packed, self.weight_scale, self.pre_quant_scale, self.block, ordered=self.ordered)
         y = y.to(x.dtype)
         if self.gated:
             from quantlab.engines.kernels import int4
@@ -743,9 +751,9 @@ class Int4GatedMLP(nn.Module):
         x = rows.to(self.weight_scale.dtype)
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale
-        h = torch.ops.quantlab.w4a16_k8_gated(x[:, self.x_index], self.weight_packed, self.weight_scale,
-                                              down.pre_quant_scale, self.block, down.x_index is not None)
-        if down.x_index is not None:
+        h = torch.ops.quantlab.w4a16_k8_gated(in_x_order(x), self.weight_packed, self.weight_scale,
+                                              down.pre_quant_scale, self.block, down.ordered)
+        if down.ordered:
             y = torch.ops.quantlab.w4a16_k8_ordered(h, down.weight_packed, down.weight_scale, down.block)
         else:
             y = torch.ops.quantlab.w4a16_k8(h, down.weight_packed, down.weight_scale, None, down.block)
