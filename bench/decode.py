@@ -1053,16 +1053,20 @@ def summary(precisions, args) -> None:
         for b in args.batches:
             r = rows[p].get(b, {})
             ms = r.get("decode_ms_per_token")
-            mark = "*" if args.compile and r.get("compiled") is False else " "
+            mark = ("!" if r.get("compile_error") else "*") if args.compile and r.get("compiled") is False else " "
             cells += (f"| {ms:8.3f}{mark}{r.get('decode_speedup_vs_bf16', 1.0 if p == 'bf16' else math.nan):5.2f} "
                       f"{100 * r.get('roofline_fraction', math.nan):4.0f}  " if ms else "|     --                  ")
         pre = " ".join(f"{rows[p].get(b, {}).get('prefill_speedup_vs_bf16', 1.0 if p == 'bf16' else math.nan):.2f}"
                        for b in args.prefill_batches)
         print(f"{p:9s} {cells}| {pre}")
-    uncompiled = {(p, b) for p in precisions for b in args.batches
-                  if args.compile and rows[p].get(b, {}).get("compiled") is False}
+    batches = sorted(set(args.batches) | set(args.prefill_batches))
+    uncompiled = {(p, b) for p in precisions for b in batches  # skipped for the budget (a failure is a result)
+                  if args.compile and rows[p].get(b, {}).get("compiled") is False
+                  and not rows[p].get(b, {}).get("compile_error")}
     if uncompiled:
         print("  * layers not compiled (the budget ran out before this batch: raise --budget-s); not comparable")
+    if any(r.get("compile_error") for p in precisions for r in rows[p].values()):
+        print("  ! compiling the layers failed (compile_error in the row): measured uncompiled")
     b1 = args.batches[0]
     get = lambda p, k: rows.get(p, {}).get(b1, {}).get(k)  # noqa: E731
     targets = [("bf16 decode >= 50% of roofline", get("bf16", "roofline_fraction"), 0.5, {("bf16", b1)}),

@@ -545,6 +545,11 @@ class Decoder:
             prompts, positions = prompts.to(self.device), torch.arange(length, device=self.device)
             logits = None
             if self.compile:  # the layers compiled for the prompt's shape too (no graph: one run per prompt)
+                if any(layer.keys is None for layer in self.cache.layers):
+                    # the stores are allocated (from the states' shapes) by one uncompiled token first, so the
+                    # compiled prompt graph is the one of a held cache (allocating inside it would compile again
+                    # at the next prompt); position 0 is rewritten below
+                    self._run(prompts[:, :1], positions[:1], 1)
                 try:
                     logits = self._run(prompts, positions, length, True)
                 except Exception as exc:  # noqa: BLE001 - a prefill that cannot be compiled runs uncompiled
@@ -618,9 +623,11 @@ class Decoder:
         self.compile = False
 
     def _compile_failed(self, exc: Exception) -> None:
-        """Compiling the layers failed (prefill or step): said once, recorded, and the layers run uncompiled."""
+        """The compiled layers failed (prefill or step): said once, recorded, and the layers run uncompiled (a step
+        graph captured from them is dropped: the next step captures the uncompiled step)."""
         self.compile_error = f"{type(exc).__name__}: {str(exc)[:500]}"
         self.compile = False
+        self.graph = None
         log.warning("decode: compiling the layers failed (%s)", self.compile_error)
         if self.device.type == "cuda":
             try:

@@ -615,7 +615,7 @@ def in_x_order(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] reordered into int4.x_order by views (input 128b + 64s + 16j + 4t + e to position 128b + 32t + 8e +
     2j + s; the same order as int4.x_order's index, tested): index arithmetic, no index tensor to load."""
     m, k = x.shape
-    return x.view(m, k // 128, 2, 4, 4, 4).permute(0, 1, 4, 5, 3, 2).reshape(m, k)
+    return x.reshape(m, k // 128, 2, 4, 4, 4).permute(0, 1, 4, 5, 3, 2).reshape(m, k)
 
 
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,

@@ -549,9 +549,9 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
     if xp and pqs is not None:
         raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
-    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2):
-        raise ValueError(f"the gated epilogue takes one row tile a warp and N a multiple of 32 into y [M, N/2]; got "
-                         f"{rows} rows a CTA, N={n}, y {tuple(y.shape)}")
+    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2 or (epi & _EPI_ORDER and (n // 2) % 128)):
+        raise ValueError(f"the gated epilogue takes one row tile a warp and N a multiple of 32 into y [M, N/2] (of "
+                         f"256 when it writes in x_order); got {rows} rows a CTA, N={n}, y {tuple(y.shape)}")
     tma = bool(cfg.get("tma")) and pqs is None and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
     if cfg.get("tma") and not tma:
         if explicit:
@@ -631,6 +631,27 @@ def x_order(k: int, device: torch.device | str) -> torch.Tensor:
     return _X_ORDER[key]
 
 
+def x_order_inverse(k: int, device: torch.device | str) -> torch.Tensor:
+    """x_order's inverse (cached): x_ordered[:, x_order_inverse] is x in the layer's order."""
+    key = (k, str(torch.device(device)), "inverse")
+    if key not in _X_ORDER:
+        order = x_order(k, device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(k, device=order.device)
+        _X_ORDER[key] = inverse
+    return _X_ORDER[key]
+
+
+_SAID: set = set()
+
+
+def _say_once(key, message: str, *args) -> None:
+    """A fallback's warning, once per process and key (the first-use failure re-raises on every call)."""
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning(message, *args)
+
+
 def ordered_on(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether layers on this device and dtype hand their one-row GEMMs x in x_order: the tensor-core kernel runs
     here (mma_on) and QUANTLAB_INT4_XORDER is not 0 (decided when the layers are built, outside compiled code)."""
@@ -655,11 +676,8 @@ def k8_launch_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Te
     try:
         return _k8_mma(x, qweight, scales_t, None, group, cfg, y)
     except MmaUnavailable as exc:
-        log.warning("int4: %s; x is put back in order for the other kernels", exc)
-        order = x_order(k, x.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(k, device=x.device)
-        return k8_launch(x[:, inverse], qweight, scales_t, None, group)
+        _say_once(("ordered", str(x.device), k), "int4: %s; x is put back in order for the other kernels", exc)
+        return k8_launch(x[:, x_order_inverse(k, x.device)], qweight, scales_t, None, group)
 
 
 @torch.library.custom_op("quantlab::w4a16_k8_ordered", mutates_args=())
@@ -732,11 +750,9 @@ def k8_launch_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tens
     try:
         return _k8_mma(x, qweight, scales_t, scale, group, cfg, y)  # (the epilogue's scale in pqs's place)
     except MmaUnavailable as exc:
-        log.warning("int4: %s; the gated MLP's activation runs in torch", exc)
-        order = x_order(k, x.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(k, device=x.device)
-        return gated_torch(k8_launch(x[:, inverse], qweight, scales_t, None, group), scale, order_out)
+        _say_once(("gated", str(x.device), k), "int4: %s; the gated MLP's activation runs in torch", exc)
+        return gated_torch(k8_launch(x[:, x_order_inverse(k, x.device)], qweight, scales_t, None, group), scale,
+                           order_out)
 
 
 @torch.library.custom_op("quantlab::w4a16_k8_gated", mutates_args=())
