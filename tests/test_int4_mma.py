@@ -8,8 +8,7 @@ import struct
 import pytest
 import torch
 
-from quantlab.engines import qlayers
-from quantlab.engines.int4_codes import unpack_int4
+from quantlab.engines.int4_codes import from_x_order, in_x_order, unpack_int4
 from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4
 
 
@@ -139,7 +138,7 @@ def _emulate(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, gro
     tma_warps: w4a16_k8_tma with that many warps instead (one row, group 128): each CTA's staging built from its
     chunk copies, the codes read from it and x and the scales from global memory, as that kernel reads them.
     pqs: the register-fed kernel's PQS instantiation - pre_quant_scale read at the addresses of x's loads (pp) and
-    scale_x. ordered: the XP instantiations - x given in int4.x_order, thread t's block b read as 16 words from
+    scale_x. ordered: the XP instantiations - x given in the x order, thread t's block b read as 16 words from
     128b + 32t, B register (e, j) = word 4e + j (bfrag of XPerm)."""
     m, k = x.shape
     n = qweight.shape[0]
@@ -233,11 +232,11 @@ def test_kernel_arithmetic_emulated_multiplies_the_k8_layout(group, tma_warps, k
     xs = x * pqs if with_pqs else x  # torch's product in bf16: what the PQS instantiation must equal
     assert not with_pqs or not torch.equal(xs, x)
     exact = xs.double() @ int4.k8_dequantized(qweight, scales_t, group).double().t()
-    if ordered:  # the layers hand the kernel x in x_order (qlayers.in_x_order: the same order by views)
-        order = int4.x_order(k, "cpu")
+    if ordered:  # the layers hand the kernel x in the x order (in_x_order's views: the order _x_order spells out)
+        order = _x_order(k)
         assert torch.equal(order.sort().values, torch.arange(k))
-        assert torch.equal(qlayers.in_x_order(x), x[:, order])
-        x = x[:, order]
+        assert torch.equal(in_x_order(x), x[:, order]) and torch.equal(from_x_order(in_x_order(x)), x)
+        x = in_x_order(x)
     torch.testing.assert_close(_emulate(x, qweight, scales_t, group, tma_warps, pqs, ordered), exact, rtol=1e-12,
                                atol=1e-12)
 
@@ -310,6 +309,13 @@ def test_a_kernel_check_that_ran_nothing_or_raised_is_a_failure():
     assert int4.tma_shared(4096) == 32 * 1024  # a 16-row tile's codes at K 4096
 
 
+def _x_order(k: int) -> torch.Tensor:
+    """The x order as the kernel's B registers define it (XPerm's bfrag): position 128b + 32t + 8e + 2j + s holds
+    input 128b + 16(j + 4s) + 4t + e."""
+    b, t, e, j, s = torch.meshgrid(*(torch.arange(n) for n in (k // 128, 4, 4, 4, 2)), indexing="ij")
+    return (128 * b + 16 * (j + 4 * s) + 4 * t + e).reshape(-1)
+
+
 def _x_position(i: int) -> int:
     """_int4_cuda's x_position, expression for expression."""
     r, jj = i & 127, (i & 127) >> 4
@@ -319,7 +325,7 @@ def _x_position(i: int) -> int:
 def test_gated_epilogue_indexing_matches_the_torch_path():
     """The gated epilogue's indexing on the CPU: interleave_gated puts gate row 8i + r at tile row r and up row 8i + r
     at tile row 8 + r of tile i, so the CTA of tile i writes output 8i + r (finish: n0 / 2 + row) from its rows r and
-    8 + r; with ORDER at x_position(out), x_order's inverse. The same values as gated_torch (deinterleave, silu, up,
+    8 + r; with ORDER at x_position(out), the x order's inverse. The same values as gated_torch (deinterleave, silu, up,
     scale, order) and as the layers' unfused gate / up."""
     g = torch.Generator().manual_seed(11)
     inter, k = 256, 256
@@ -332,8 +338,8 @@ def test_gated_epilogue_indexing_matches_the_torch_path():
     y, yi = (x @ w.t()).to(torch.bfloat16), (x @ wi.t()).to(torch.bfloat16)
     gate, up = int4.deinterleave_gated(yi)
     assert torch.equal(gate, y[:, :inter]) and torch.equal(up, y[:, inter:])
-    order = int4.x_order(inter, "cpu")
-    assert all(int(order[_x_position(i)]) == i for i in range(inter))  # x_position inverts x_order
+    order = _x_order(inter)
+    assert all(int(order[_x_position(i)]) == i for i in range(inter))  # x_position inverts the x order
     scale = (torch.rand(inter, generator=g) + 0.5).to(torch.bfloat16)
     h = torch.zeros(1, inter, dtype=torch.bfloat16)
     for tile in range(2 * inter // 16):  # finish's gated loop, per CTA (n0 = 16 tile) and row

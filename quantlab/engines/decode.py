@@ -610,14 +610,14 @@ class Decoder:
                 return
             except Exception as exc:  # noqa: BLE001 - what cannot be compiled or captured still runs, uncaptured
                 if compiled:
-                    self._compile_failed(exc)
+                    self._compile_failed(exc)  # (synchronizes)
                 else:
                     self.capture_error = f"{type(exc).__name__}: {str(exc)[:500]}"
                     log.warning("decode: CUDA graph capture failed (%s)", self.capture_error)
-                try:
-                    torch.cuda.synchronize(self.device)
-                except Exception:  # noqa: BLE001 - a sticky capture error: the inputs are restored below anyway
-                    pass
+                    try:
+                        torch.cuda.synchronize(self.device)
+                    except Exception:  # noqa: BLE001 - a sticky capture error: the inputs are restored below anyway
+                        pass
                 self.tokens.copy_(tokens)
                 self.pos.copy_(pos)
         self.compile = False

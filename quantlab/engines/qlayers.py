@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from quantlab.checkpoint import CheckpointTensors, LayerFormat
-from quantlab.engines.int4_codes import unpack_int4
+from quantlab.engines.int4_codes import in_x_order, unpack_int4
 from quantlab.errors import QuantlabError
 from quantlab.registry import Registry
 
@@ -323,7 +323,7 @@ class Int4AwqLinear(QuantLinear):
         # for layers whose input comes from an op torch.compile cannot fuse into (the attention output's projection;
         # fuse_int4_siblings sets it), where the product would otherwise be a kernel of its own
         self.pqs_in_op = False
-        self.ordered = False  # k8, one row: x handed to the kernel in int4.x_order (set at repack)
+        self.ordered = False  # k8, one row: x handed to the kernel in its input order (in_x_order; set at repack)
 
     @classmethod
     def from_checkpoint(cls, name, out_features, in_features, has_bias, t, fmt, ctx):
@@ -359,9 +359,8 @@ class Int4AwqLinear(QuantLinear):
         self.weight_packed, self.weight_scale = int4.repack(self.weight_packed, self.weight_scale)
         self.layout = "k8"
         device, dtype = self.weight_packed.device, self.weight_scale.dtype
-        if int4.ordered_on(device, dtype) and int4.ordered_applies(1, self.out_features, self.in_features, self.block,
-                                                                   dtype):
-            self.ordered = True
+        self.ordered = int4.ordered_on(device, dtype) and int4.mma_applies(1, self.out_features, self.in_features,
+                                                                           self.block, dtype)
         self.kernel = int4.k8_kernels(str(self.weight_packed.device), self.weight_scale.dtype)
         return True
 
@@ -611,22 +610,14 @@ def use_fp8_gemv(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------- W4A16 sibling fusion
-def in_x_order(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] reordered into int4.x_order by views (input 128b + 64s + 16j + 4t + e to position 128b + 32t + 8e +
-    2j + s; the same order as int4.x_order's index, tested): index arithmetic, no index tensor to load."""
-    m, k = x.shape
-    return x.reshape(m, k // 128, 2, 4, 4, 4).permute(0, 1, 4, 5, 3, 2).reshape(m, k)
-
-
 def w4a16(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, pqs: torch.Tensor | None,
           block: int, pqs_in_op: bool = False, ordered: bool = False) -> torch.Tensor:
     """The packed W4A16 GEMM on x [M, K] in the scales' dtype -> [M, N] in that dtype: quantlab::w4a16_k8 on the
     k8 layout (int32 codes), quantlab::w4a16_mm on the export layout (uint8 codes). k8: pre_quant_scale multiplies
     x before the op (torch.compile fuses it into the producer, a norm or the activation), or inside it where
     pqs_in_op (the same product, rounded once to the compute dtype). One row where `ordered` (set at repack where
-    the tensor-core kernel runs): x reordered into int4.x_order by views (in_x_order: index arithmetic torch.compile
-    fuses into the producer; a gather through an index tensor made each norm 2 us slower on the H200), and
-    quantlab::w4a16_k8_ordered (the same sums)."""
+    the tensor-core kernel runs): x in the kernel's input order (in_x_order: views torch.compile folds into the
+    producer) and quantlab::w4a16_k8_ordered (the same sums)."""
     if packed.dtype == torch.int32:
         x = x.to(scales.dtype)
         if pqs is not None and not pqs_in_op:
@@ -684,9 +675,9 @@ class Int4GatedMLP(nn.Module):
     values as the two layers', see SiblingGemm), then the activation and product in the compute dtype as the
     modeling code computes them, then down.
 
-    Where the activation is SiLU and the one-row tensor-core kernel reads x in x_order here (gate.ordered), the
+    Where the activation is SiLU and the one-row tensor-core kernel reads x in its input order here (gate.ordered), the
     gate|up rows are interleaved (int4.interleave_gated) and one row runs the kernel's gated epilogue
-    (quantlab::w4a16_k8_gated: silu(gate) * up, times down's pre_quant_scale, in down's x_order), then down's GEMM
+    (quantlab::w4a16_k8_gated: silu(gate) * up, times down's pre_quant_scale, in down's input order), then down's GEMM
     on that as is; more rows take the plain GEMM's output apart (int4.deinterleave_gated). QUANTLAB_INT4_EPILOGUE=0
     keeps the rows and the activation as they are."""
 
@@ -712,13 +703,13 @@ class Int4GatedMLP(nn.Module):
             self.kernel = f"{gate.kernel}: gate|up one GEMM (one row: SiLU * up in its epilogue), down"
 
     def _gated_epilogue(self, gate: Int4AwqLinear, down: nn.Module) -> bool:
-        """Whether one row takes the gated epilogue: k8 layout, the x_order kernels here, the switch on, 8-row groups,
-        an activation that computes SiLU (probed: its values equal torch's silu over [-20, 20]), and a down projection
-        that is a packed k8 layer reading its input as given (no bias, its pre_quant_scale not in its op)."""
+        """Whether one row takes the gated epilogue: the input-order kernels here (gate.ordered: k8 layout, a 16-bit
+        dtype, the tensor-core kernel checked), the switch on, 8-row groups, an activation that computes SiLU (probed:
+        its values equal torch's silu over [-20, 20]), and a down projection that is a packed k8 layer reading its input
+        as given (no bias, its pre_quant_scale not in its op)."""
         from quantlab.engines.kernels import cuda_rtc
 
-        if (self.layout != "k8" or not gate.ordered or self.inter % 8 or self.weight_scale.dtype not in (
-                torch.bfloat16, torch.float16) or not cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE")):
+        if not gate.ordered or self.inter % 8 or not cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE"):
             return False
         if not (isinstance(down, Int4AwqLinear) and down.layout == "k8" and down.bias is None and not down.pqs_in_op
                 and down.in_features == self.inter):
@@ -745,7 +736,7 @@ class Int4GatedMLP(nn.Module):
         return self.down(h).reshape(*shape[:-1], -1)
 
     def _gated_row(self, rows: torch.Tensor) -> torch.Tensor:
-        """One row: gate|up with the gated epilogue writing down's input (scaled, in down's x_order where it reads
+        """One row: gate|up with the gated epilogue writing down's input (scaled, in down's input order where it reads
         that), then down's GEMM."""
         down = self.down
         x = rows.to(self.weight_scale.dtype)

@@ -25,9 +25,9 @@ so CONFIGS picks it per shape.
 
 Two instantiation flags: PQS multiplies x by pre_quant_scale as it is loaded (scale_x, the product torch computes:
 for the attention output's projection, whose input comes from an op torch.compile cannot fuse the multiply into);
-XP reads x in int4.x_order, thread t's 32 inputs of a block in the order of its B registers (four 16-byte loads and
-no byte permutes instead of eight 8-byte loads and 16 permutes; the layers gather x into that order, a gather
-torch.compile fuses into the norm or activation producing x). The bulk-copy kernel has XP, not PQS.
+XP reads x in the x order (int4_codes.in_x_order), thread t's 32 inputs of a block in the order of its B registers
+(four 16-byte loads and no byte permutes instead of eight 8-byte loads and 16 permutes; the layers reorder x by views
+torch.compile folds into the norm producing x). The bulk-copy kernel has XP, not PQS.
 
 Both are launched as programmatic dependents on compute capability 9.0+ (QUANTLAB_PDL, cuda_rtc.switch): the
 bulk-copy kernel requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the
@@ -168,9 +168,9 @@ __device__ __forceinline__ uint4 ld_x4(const void* p) {  // ld_x, 8 values
 }
 
 // A block's x values of one batch row as thread t holds them. XRow: x in the layer's order, v[j] = inputs
-// 128b + 16j + 4t .. +3 (8-byte loads; the B registers are built by byte permutes). XPerm: x given in x_order (int4.
-// x_order), thread t's 32 inputs at 128b + 32t in the order of its B registers (16-byte loads, no permutes):
-// word 4e + j holds the pair (inputs 128b + 16j + 4t + e, 128b + 16(j + 4) + 4t + e), j = 0..3.
+// 128b + 16j + 4t .. +3 (8-byte loads; the B registers are built by byte permutes). XPerm: x given in the x order
+// (int4_codes.in_x_order), thread t's 32 inputs at 128b + 32t in the order of its B registers (16-byte loads, no
+// permutes): word 4e + j holds the pair (inputs 128b + 16j + 4t + e, 128b + 16(j + 4) + 4t + e), j = 0..3.
 struct XRow { uint2 v[8]; };
 struct XPerm { uint4 v[4]; };
 template <bool XP> struct XSel { typedef XRow T; };
@@ -292,7 +292,7 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
 // RT: row tiles of 16 a warp (a CTA computes 16 RT rows); x's B fragments serve all of them.
 // PQS: x is multiplied by pre_quant_scale p [K] as it is loaded (scale_x: torch's x * p, value for value); the
 // engine asks for it where the product cannot be fused into the op producing x (the attention output's projection).
-// XP: x comes in x_order (XPerm; the engine's gather, fused by torch.compile into the op producing x).
+// XP: x comes in the x order (XPerm; the layers' views, folded by torch.compile into the op producing x).
 template <int WARPS, int UNROLL, int RT, int GS, bool BF16, bool PQS, bool XP, int EPI = 0>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* __restrict__ s,
@@ -442,7 +442,7 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-EPI_GATED, EPI_SCALE, EPI_ORDER = 1, 2, 4  # the epilogue flags (finish)
+EPI_GATED, EPI_SCALE, EPI_ORDER = 1, 2, 4  # the epilogue flags (finish's EPI_* above)
 
 
 def tma_name(warps: int, spw: int, bf16: bool, xp: bool = False, epi: int = 0) -> str:

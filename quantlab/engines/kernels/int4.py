@@ -42,8 +42,9 @@ import os
 
 import torch
 
-from quantlab.engines.int4_codes import unpack_int4
+from quantlab.engines.int4_codes import from_x_order, in_x_order, unpack_int4
 from quantlab.engines.kernels import cuda_rtc
+from quantlab.engines.kernels._int4_cuda import EPI_GATED, EPI_ORDER, EPI_SCALE
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
@@ -344,10 +345,10 @@ def k8_launch(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pq
     else:
         cfg = config
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if cfg.get("xp"):  # the kernel reading x in x_order (checks, the sweep): x ordered here, as the layers do
+    if cfg.get("xp"):  # the kernel reading x in its input order (checks, the sweep): x ordered here, as the layers do
         if pqs is not None:
             x, pqs = x * pqs, None
-        return _k8_mma(x[:, x_order(k, x.device)], qweight, scales_t, None, group, cfg, y, explicit=True)
+        return _k8_mma(in_x_order(x), qweight, scales_t, None, group, cfg, y, explicit=True)
     if cfg.get("mma"):
         try:
             return _k8_mma(x, qweight, scales_t, pqs, group, cfg, y, explicit=config is not None)
@@ -519,7 +520,14 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
     return _MMA_MODULES[key], name
 
 
-_TMA_SAID: set = set()
+_SAID: set = set()
+
+
+def _say_once(key, message: str, *args) -> None:
+    """A fallback's warning, once per process and key (a kernel's first-use failure re-raises on every call)."""
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning(message, *args)
 
 
 def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs: torch.Tensor | None, group: int,
@@ -549,7 +557,7 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
     if xp and pqs is not None:
         raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
-    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2 or (epi & _EPI_ORDER and (n // 2) % 128)):
+    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2 or (epi & EPI_ORDER and (n // 2) % 128)):
         raise ValueError(f"the gated epilogue takes one row tile a warp and N a multiple of 32 into y [M, N/2] (of "
                          f"256 when it writes in x_order); got {rows} rows a CTA, N={n}, y {tuple(y.shape)}")
     tma = bool(cfg.get("tma")) and pqs is None and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
@@ -568,9 +576,7 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
     except MmaUnavailable as exc:
         if not tma or explicit:
             raise
-        if (x.device, k) not in _TMA_SAID:
-            _TMA_SAID.add((x.device, k))
-            log.warning("int4: %s; the register-fed tensor-core kernel runs instead", exc)
+        _say_once(("tma", str(x.device), k), "int4: %s; the register-fed tensor-core kernel runs instead", exc)
         cfg, rows, tma = {**mma_config(k), "xp": xp, "epi": epi}, 16, False
         module, name = _mma_kernel(x.device, cfg, group, x.dtype, 0, scaled)
     shared = tma_shared(k) if tma else 0
@@ -611,73 +617,37 @@ def _(x, qweight, _scales_t, _pqs, _group):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
-# ------------------------------------------------------------------------------------------------ x in x_order
+# ------------------------------------------------------------------------------------------------ x in its order
 # At one row the tensor-core kernel builds each mma's B registers from x by byte permutes (pair_of: ~16 a block and
-# thread). Given x in x_order instead - thread t's 32 inputs of a block in the order of its B registers - it loads
-# them with four 16-byte loads and permutes nothing (bench/int4_mma_variants.py MODE 97: 1-2 us a layer at the 8B
-# shapes). The layers gather x into that order (x[:, x_order]) where torch.compile fuses the gather into the op that
-# produces x (a norm, the activation); QUANTLAB_INT4_XORDER=0 turns it off.
-_X_ORDER: dict = {}
-
-
-def x_order(k: int, device: torch.device | str) -> torch.Tensor:
-    """The input order the x_order kernels read (int64 [K] on `device`, cached): position 128b + 32t + 8e + 2j + s
-    holds input 128b + 16(j + 4s) + 4t + e (block b, thread t, element e, B register j = 2h + r, half s)."""
-    dev = torch.device(device)
-    key = (k, str(dev))
-    if key not in _X_ORDER:
-        b, t, e, j, s = torch.meshgrid(*(torch.arange(n) for n in (k // 128, 4, 4, 4, 2)), indexing="ij")
-        _X_ORDER[key] = (128 * b + 16 * (j + 4 * s) + 4 * t + e).reshape(-1).to(dev)
-    return _X_ORDER[key]
-
-
-def x_order_inverse(k: int, device: torch.device | str) -> torch.Tensor:
-    """x_order's inverse (cached): x_ordered[:, x_order_inverse] is x in the layer's order."""
-    key = (k, str(torch.device(device)), "inverse")
-    if key not in _X_ORDER:
-        order = x_order(k, device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(k, device=order.device)
-        _X_ORDER[key] = inverse
-    return _X_ORDER[key]
-
-
-_SAID: set = set()
-
-
-def _say_once(key, message: str, *args) -> None:
-    """A fallback's warning, once per process and key (the first-use failure re-raises on every call)."""
-    if key not in _SAID:
-        _SAID.add(key)
-        log.warning(message, *args)
-
-
+# thread). Given x in its input order instead (int4_codes.in_x_order: thread t's 32 inputs of a block in the order
+# of its B registers) it loads them with four 16-byte loads and permutes nothing (bench/int4_mma_variants.py MODE 97:
+# 1-2 us a layer at the 8B shapes in isolation; 15 us a token end to end). The layers reorder x by views that
+# torch.compile folds into the op producing x (a norm); QUANTLAB_INT4_XORDER=0 turns it off.
 def ordered_on(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether layers on this device and dtype hand their one-row GEMMs x in x_order: the tensor-core kernel runs
-    here (mma_on) and QUANTLAB_INT4_XORDER is not 0 (decided when the layers are built, outside compiled code)."""
+    """Whether layers on this device and dtype hand their one-row GEMMs x in the kernel's input order: the
+    tensor-core kernel runs here (mma_on) and QUANTLAB_INT4_XORDER is not 0 (decided when the layers are built)."""
     return cuda_rtc.switch("QUANTLAB_INT4_XORDER") and mma_on(device, dtype)
 
 
-def ordered_applies(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
-    """Shapes that take x in x_order: one row, the tensor-core kernel's shapes (plain integers: safe to ask while
-    torch.compile traces)."""
-    return m == 1 and mma_applies(m, n, k, group, dtype)
+def _one_row_cfg(m: int, n: int, k: int, one_tile: bool = False) -> dict:
+    """The tensor-core kernel's configuration for a few rows of an [N, K] layer: the shape's CONFIGS entry where it
+    is one of that kernel's (and, with one_tile, has one row tile a warp), else mma_config(k)."""
+    cfg = CONFIGS.get((m_bucket(m), n, k))
+    return dict(cfg) if cfg and cfg.get("mma") and (not one_tile or cfg.get("tiles", 1) == 1) else mma_config(k)
 
 
 def k8_launch_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int) -> torch.Tensor:
-    """x [1, K] in x_order (pre_quant_scale applied) -> y [1, N]: the tensor-core kernel of the shape's configuration
-    (CONFIGS, else mma_config) reading x as ordered; where that kernel cannot run, x is put back in the layer's order
-    and k8_launch runs (the same product)."""
+    """x [1, K] in the kernel's input order (pre_quant_scale applied) -> y [1, N]: the tensor-core kernel of the
+    shape's configuration reading x as ordered; where that kernel cannot run, x is put back in the layer's order and
+    k8_launch runs (the same product)."""
     m, k = x.shape
     n = qweight.shape[0]
-    cfg = CONFIGS.get((m_bucket(m), n, k))
-    cfg = {**(cfg if cfg and cfg.get("mma") else mma_config(k)), "xp": True}
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     try:
-        return _k8_mma(x, qweight, scales_t, None, group, cfg, y)
+        return _k8_mma(x, qweight, scales_t, None, group, {**_one_row_cfg(m, n, k), "xp": True}, y)
     except MmaUnavailable as exc:
         _say_once(("ordered", str(x.device), k), "int4: %s; x is put back in order for the other kernels", exc)
-        return k8_launch(x[:, x_order_inverse(k, x.device)], qweight, scales_t, None, group)
+        return k8_launch(from_x_order(x), qweight, scales_t, None, group)
 
 
 @torch.library.custom_op("quantlab::w4a16_k8_ordered", mutates_args=())
@@ -694,7 +664,7 @@ def _(x, qweight, _scales_t, _group):
 # ------------------------------------------------------------------------------------------------ gated epilogue
 # A gated MLP's gate|up GEMM at one row with SiLU applied in the kernel: the rows interleaved so that each 16-row tile
 # holds 8 gate rows and the same 8 up rows (interleave_gated), the CTA then writes h = silu(gate) * up, times the down
-# projection's pre_quant_scale, in the down projection's x_order (the EPI flags of _int4_cuda): the activation's own
+# projection's pre_quant_scale, in the down projection's input order (the EPI flags of _int4_cuda): the activation's own
 # kernel goes. QUANTLAB_INT4_EPILOGUE=0 turns it off.
 def interleave_gated(qweight: torch.Tensor, scales_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k8 gate|up (gate rows, then up rows: [2I, K/8] codes, [K/g, 2I] scales) -> the rows in tiles of 8 gate rows
@@ -718,30 +688,26 @@ def deinterleave_gated(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gated_torch(y: torch.Tensor, scale: torch.Tensor | None, order_out: bool) -> torch.Tensor:
-    """What the gated epilogue writes, in torch: silu(gate) * up from the interleaved output y, times scale, in
-    x_order when order_out."""
+    """What the gated epilogue writes, in torch: silu(gate) * up from the interleaved output y, times scale, in the
+    next layer's input order when order_out."""
     gate, up = deinterleave_gated(y)
     h = torch.nn.functional.silu(gate) * up
     if scale is not None:
         h = h * scale
-    return h[:, x_order(h.shape[1], h.device)] if order_out else h
+    return in_x_order(h) if order_out else h
 
 
 def epilogue_cfg(m: int, n: int, k: int, scaled: bool, order_out: bool) -> dict:
-    """The one-row kernel's configuration for the interleaved gate|up: the shape's (CONFIGS or mma_config), one tile a
-    warp, x in x_order, the epilogue flags."""
-    cfg = CONFIGS.get((m_bucket(m), n, k))
-    cfg = dict(cfg) if cfg and cfg.get("mma") and cfg.get("tiles", 1) == 1 else mma_config(k)
-    epi = _EPI_GATED | (_EPI_SCALE if scaled else 0) | (_EPI_ORDER if order_out else 0)
-    return {**cfg, "xp": True, "epi": epi}
-
-
-_EPI_GATED, _EPI_SCALE, _EPI_ORDER = 1, 2, 4  # _int4_cuda.EPI_* (int4 does not import _int4_cuda at load)
+    """The one-row kernel's configuration for the interleaved gate|up: the shape's (one tile a warp), x in its input
+    order, the epilogue flags."""
+    epi = EPI_GATED | (EPI_SCALE if scaled else 0) | (EPI_ORDER if order_out else 0)
+    return {**_one_row_cfg(m, n, k, one_tile=True), "xp": True, "epi": epi}
 
 
 def k8_launch_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, scale: torch.Tensor | None,
                     group: int, order_out: bool, cfg: dict | None = None) -> torch.Tensor:
-    """x [M, K] in x_order (pre_quant_scale applied), the interleaved gate|up codes and scales -> h [M, N/2]
+    """x [M, K] in the kernel's input order (pre_quant_scale applied), the interleaved gate|up codes and scales ->
+    h [M, N/2]
     (gated_torch's values); where the kernel cannot run, x is put back in order, k8_launch runs and gated_torch."""
     m, k = x.shape
     n = qweight.shape[0]
@@ -751,8 +717,7 @@ def k8_launch_gated(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tens
         return _k8_mma(x, qweight, scales_t, scale, group, cfg, y)  # (the epilogue's scale in pqs's place)
     except MmaUnavailable as exc:
         _say_once(("gated", str(x.device), k), "int4: %s; the gated MLP's activation runs in torch", exc)
-        return gated_torch(k8_launch(x[:, x_order_inverse(k, x.device)], qweight, scales_t, None, group), scale,
-                           order_out)
+        return gated_torch(k8_launch(from_x_order(x), qweight, scales_t, None, group), scale, order_out)
 
 
 @torch.library.custom_op("quantlab::w4a16_k8_gated", mutates_args=())
@@ -778,9 +743,9 @@ def check_gated(device: str, dtype: torch.dtype, cfg: dict, k: int, group: int, 
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
     qweight, scales_t = interleave_gated(*repack(packed.to(device), scales.to(device)))
     x = torch.randn(rows, k, generator=g).to(dtype).to(device)
-    scale = (torch.rand(n // 2, generator=g) + 0.5).to(dtype).to(device) if cfg["epi"] & _EPI_SCALE else None
-    order_out = bool(cfg["epi"] & _EPI_ORDER)
-    xo = x[:, x_order(k, device)]
+    scale = (torch.rand(n // 2, generator=g) + 0.5).to(dtype).to(device) if cfg["epi"] & EPI_SCALE else None
+    order_out = bool(cfg["epi"] & EPI_ORDER)
+    xo = in_x_order(x)
     plain = {key: v for key, v in cfg.items() if key != "epi"}
     ref = gated_torch(_k8_mma(xo, qweight, scales_t, None, group, plain, torch.empty(rows, n, dtype=dtype,
                                                                                    device=device), explicit=True),
@@ -891,7 +856,7 @@ MMA_VARIANTS = (("k8_mma_w4u2", {"mma": True, "warps": 4, "unroll": 2, "tiles": 
 # failure of it alone leaves the register-fed kernel in use; its instantiations are checked on first use)
 TMA_VARIANTS = (("k8_tma_w4", {"mma": True, "tma": True, "warps": 4}),
                 ("k8_tma_w4_xorder", {"mma": True, "tma": True, "warps": 4, "xp": True}))
-# the kernels reading x in x_order (x_order; one row in the engine, any rows here): in check()'s default set too
+# the kernels reading x in the x order (in_x_order; one row in the engine, any rows here): in check()'s default set too
 XP_VARIANTS = (("k8_mma_w4u1_xorder", {"mma": True, "warps": 4, "unroll": 1, "tiles": 1, "xp": True}),
                ("k8_mma_w8u2t2_xorder", {"mma": True, "warps": 8, "unroll": 2, "tiles": 2, "xp": True}))
 _USABLE: dict = {}
