@@ -37,8 +37,11 @@ def decode_attention(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, ks_ptr, vs_ptr, ws_ptr
     heads that share the KV head and reads positions [split * TILES * BLOCK_L, +TILES * BLOCK_L) of it, keeping
     those allowed (window start <= l <= pos, pos read from the step's position tensor), with an online softmax in
     fp32. Splits write (max, sum, unnormalized output) to the workspace; the program arriving last for its
-    (sequence, KV head) combines them in split order and writes o [B, 1, Hq, D]. PDL (launched as a programmatic
-    dependent): wait for the previous kernels before anything is read or written, then let the next one start."""
+    (sequence, KV head) combines them in split order (unrolled loops: no split's loads wait on another's) and
+    writes o [B, 1, Hq, D]. PDL (launched as a programmatic dependent): wait for the previous kernels before anything
+    is read or written, then let the next one start (reading pos and the cache rows before pos ahead of the wait -
+    earlier steps wrote them - measured no faster: 2.005 against 2.003 ms a token on the 8B shape,
+    bench/results/h200-2026-12-02/s5_2_*, and was not kept)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -100,16 +103,17 @@ def decode_attention(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, ks_ptr, vs_ptr, ws_ptr
         arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
             m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-            for sp in range(SPLITS):
+            for sp in tl.static_range(SPLITS):
                 at = (bh * SPLITS + sp) * BLOCK_G + rg
                 m_all = tl.maximum(m_all, tl.load(ws_ptr + ml + at * 2, cache_modifier=".cg"))
             m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
             total = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
             denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-            for sp in range(SPLITS):
+            for sp in tl.static_range(SPLITS):
                 at = (bh * SPLITS + sp) * BLOCK_G + rg
                 w = tl.exp(tl.load(ws_ptr + ml + at * 2, cache_modifier=".cg") - m_all)
                 denom += w * tl.load(ws_ptr + ml + at * 2 + 1, cache_modifier=".cg")
-                total += w[:, None] * tl.load(ws_ptr + at[:, None] * BLOCK_D + rd[None, :], cache_modifier=".cg")
+                total += w[:, None] * tl.load(ws_ptr + at[:, None] * BLOCK_D + rd[None, :], mask=mask_g[:, None],
+                                              other=0.0, cache_modifier=".cg")  # (padded heads: not read)
             tl.store(out_ptrs, (total / denom[:, None]).to(dtype), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + bh, 0)
