@@ -73,8 +73,9 @@ def _compiled_ids(engine, prompts, steps=3):
             dec._step(dec.max_len, True)
             dec.position += 1
     ids = dec.out[:, prompts.shape[1]: prompts.shape[1] + steps + 1].clone()
+    edges = len(dec.edges)
     dec.close()
-    return ids, dict(counters["stats"]), dict(counters["graph_break"])
+    return ids, dict(counters["stats"]), dict(counters["graph_break"]), edges
 
 
 @pytest.fixture
@@ -105,12 +106,16 @@ def test_cached_greedy_equals_full_recompute(family, family_model, eager_compile
         assert "grouped sdpa" in step_info["attention"]  # GQA models read the cache once per step
     if info["moe"]:
         return  # routed experts read the routing on the host: not compiled or captured
-    ids, stats, breaks = _compiled_ids(engine, prompts)
+    ids, stats, breaks, edges = _compiled_ids(engine, prompts)
     assert torch.equal(ids, full[:, :ids.shape[1]])
     assert not breaks, breaks
     # every decoder layer of a kind shares one compiled graph per shape - the prompt's (prefill) and the step's
-    # (Gemma 2 / 3: sliding and full layers)
-    assert stats["unique_graphs"] == 2 * (2 if family in ("gemma2", "gemma3_text") else 1), stats
+    # (Gemma 2 / 3: sliding and full layers); so does each module outside the layers compiled with them (the final
+    # norm, rotary embeddings; Gemma 3's one rotary embedding is called once per layer type), and the step's end
+    # (argmax and writes) has one
+    assert edges >= (1 if family == "opt" else 2)  # the final norm; the rotary embedding where the model has one
+    edge_graphs = 2 * (edges + (family == "gemma3_text"))
+    assert stats["unique_graphs"] == 2 * (2 if family in ("gemma2", "gemma3_text") else 1) + edge_graphs + 1, stats
 
 
 @pytest.mark.parametrize("vocab", [128256, 49152, 32000, 151936, 256000, 6144, 4096])
@@ -132,6 +137,32 @@ def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
         assert torch.equal(decode.first_argmax(x), x.argmax(-1)), (vocab, trial)
     strided = torch.randn(vocab, 2, generator=g).t()  # a [2, V] view whose rows are not contiguous
     assert torch.equal(decode.first_argmax(strided), strided.argmax(-1))
+
+
+def test_compiled_step_end_writes_what_the_eager_one_does():
+    """decode.advance compiled by inductor (the CPU's code generator; the GPU's is checked by bench/decode.py --check
+    through the captured steps): the same next token - ties, NaN and all -inf rows included - written to the same
+    places, and the position moved on."""
+    compiled = torch.compile(decode.advance, backend="inductor")
+    g = torch.Generator().manual_seed(3)
+    for trial in range(6):
+        x = torch.randn(3, 4096, generator=g)
+        if trial % 3 == 0:
+            x = torch.round(x * 2) / 2  # many equal maxima
+        if trial % 3 == 1:
+            x[1, torch.randint(0, 4096, (3,), generator=g)] = float("nan")
+            x[2] = float("-inf")
+        if trial % 2 == 0:
+            x[0] = 1.0  # every value the maximum
+        written = []
+        for fn in (decode.advance, compiled):
+            tokens, out = torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 9, dtype=torch.long)
+            pos = torch.tensor([4])
+            fn(x, tokens, out, pos)
+            written.append((tokens, out, pos))
+        (tokens, out, pos), again = written
+        assert torch.equal(tokens[:, 0], x.argmax(-1)) and torch.equal(out[:, 5], tokens[:, 0]) and pos.item() == 5
+        assert all(torch.equal(a, b) for a, b in zip(written[0], again, strict=True)), (trial, written)
 
 
 def test_first_argmax_chunks():
@@ -252,9 +283,10 @@ def test_torch_engine_cached_decode(precision, kv, exports, eager_compile):
     assert engine.decode_info["kv_cache_bytes"] == 2 * layers * 2 * kv_heads * (PROMPT + NEW) * head_dim * width
     err, _ = _step_logits_error(engine, prompts, cached)
     assert err < 1e-5, err
-    ids, stats, breaks = _compiled_ids(engine, prompts)
+    ids, stats, breaks, edges = _compiled_ids(engine, prompts)
     assert torch.equal(ids, cached[:, :ids.shape[1]])
-    assert not breaks and stats["unique_graphs"] == 2, (stats, breaks)  # prefill's shape and the step's
+    # the prefill's shape and the step's, for the layers and each module compiled with them; the step's end
+    assert not breaks and stats["unique_graphs"] == 2 + 2 * edges + 1, (stats, breaks)
 
 
 def test_shared_quantize_is_matched_by_identity():
@@ -500,8 +532,9 @@ def compiled(engine):
             dec._step(dec.max_len, True)
             dec.position += 1
     ids = dec.out[:, 20:24].clone()
+    edges = len(dec.edges)
     dec.close()
-    return ids, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    return ids, counters["stats"]["unique_graphs"] - 2 * edges - 1, dict(counters["graph_break"])
 
 
 def run(name, engine, compile_too):
@@ -565,7 +598,9 @@ def test_decode_attention_kernel_under_triton_interpreter(family_model, exports)
         assert row["step_err"] < 1e-5, (name, row)
         assert row["kernel_modules"] == layers[name] and "triton decode attention" in row["step_paths"], (name, row)
         if "compiled" in row:
-            graphs = 2 * (1 + (name == "gemma2"))  # the prefill's shape and the step's, per layer kind
+            # the prefill's shape and the step's, per layer kind (the compiled modules outside the layers and the
+            # step's end counted apart)
+            graphs = 2 * (1 + (name == "gemma2"))
             assert row["compiled"] == {"ids_equal": True, "graphs": graphs, "breaks": {}}, (name, row)
     assert set(out["families"]) == set(paths) | set(fp8_kv)
 

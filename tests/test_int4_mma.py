@@ -42,12 +42,29 @@ def test_source_compiles_for_every_configuration_without_spills(arch):
         names += _names([(8, 2, 1), (16, 1, 1)], (0, 64, 128), (True, False), ((True, False),))
     names += [_int4_cuda.name(w, u, 1, gs, bf16, False, True, epi) for w, u in ((4, 1), (16, 1))
               for gs in (64, 128) for bf16 in (True, False) for epi in (1, 7)]
+    # the residual epilogue (a layer's last projection: every shape the sweep may pick at one row, x in x_order)
+    names += [_int4_cuda.name(w, u, r, 128, True, False, True, 8) for w, u, r in int4.MMA_SHAPES]
+    if arch == "90":
+        names += [_int4_cuda.tma_name(w, spw, True, True, 8) for w, spw in ((4, 8), (8, 4), (16, 2))]
     log: list[str] = []
     cubin, lowered = cuda_rtc.compile_kernels(_int4_cuda.SOURCE, names, arch, ("--ptxas-options=--warn-on-spills",),
                                               log)
     assert cubin[:4] == b"\x7fELF"
     assert set(lowered) == set(names) and all(sym.startswith("_Z") for sym in lowered.values())
     assert "spill" not in "".join(log), log
+
+
+def test_epilogue_flags_refuse_combinations_no_kernel_has():
+    assert _int4_cuda.name(16, 1, 2, 128, True, False, True, 8).endswith(", 8>")  # residual: any row tiles
+    for epi in (8 | 1, 8 | 2, 2, 4, 6):
+        with pytest.raises(ValueError):
+            _int4_cuda.name(16, 1, 1, 128, True, False, True, epi)
+        with pytest.raises(ValueError):
+            _int4_cuda.tma_name(8, 4, True, True, epi)
+    with pytest.raises(ValueError):
+        _int4_cuda.name(16, 1, 2, 128, True, False, True, 1)  # the gated epilogue: one tile a warp
+    with pytest.raises(ValueError):
+        _int4_cuda.name(16, 1, 1, 128, True, True, False, 8)  # p is the residual: no pre_quant_scale
 
 
 def test_programmatic_launch_structs_have_the_driver_layout():

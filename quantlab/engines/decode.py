@@ -24,8 +24,11 @@ How it plugs into transformers without touching a modeling file:
   back into the step's own inputs) is captured in one CUDA graph and replayed once per token. With compile=True the
   decoder layers are compiled first (torch.compile, one compiled function per layer class: each layer is handed its
   own KVLayer in place of the shared cache, so nothing per layer is specialized and 32 layers compile once; the
-  prefill runs through the same compiled layers, compiled for the prompt's shape, uncaptured), with
-  inductor's horizontal fusion (QUANTLAB_COMBO_KERNELS) and, on compute capability 9.0+, programmatic dependent
+  prefill runs through the same compiled layers, compiled for the prompt's shape, uncaptured), and with them the
+  step's ops outside the layers (the final norm and rotary embedding: edge_modules; the argmax and the step's writes:
+  advance; QUANTLAB_COMPILE_EDGES), with inductor's horizontal fusion (QUANTLAB_COMBO_KERNELS), the residual add of a
+  one-row INT4 down projection in its kernel (quantlab.engines.fusion; QUANTLAB_INT4_RESIDUAL) and, on compute
+  capability 9.0+, programmatic dependent
   launch (QUANTLAB_PDL; cuda_rtc.switch): each compiled kernel, the INT4 kernels and the decode-attention kernel
   start while the previous kernel ends and wait for it before they touch its output. The argmax is two passes
   (first_argmax): one reduction over the vocabulary runs in one CUDA block. Models whose step cannot be captured run
@@ -341,6 +344,19 @@ def _decoder_layer_of(model: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
+def edge_modules(model: nn.Module, layer: nn.Module | None) -> list[nn.Module]:
+    """The step's modules outside the decoder layers that are compiled with them: the leaf children of the module
+    holding the layers' list (the final norm, the rotary embedding), embeddings and dropout aside."""
+    if layer is None:
+        return []
+    for parent in model.modules():
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList) and any(c is layer for c in child):
+                return [m for m in parent.children() if m is not child and not list(m.children())
+                        and not isinstance(m, (nn.Embedding, nn.Dropout))]
+    return []
+
+
 def is_moe(model: nn.Module) -> bool:
     """Whether the model routes tokens to experts (data-dependent work the host reads: not capturable)."""
     from quantlab.engines.moe import QuantExperts, is_fused_experts
@@ -405,25 +421,53 @@ def _inductor_has(knob: str) -> bool:
     return True
 
 
-def _compiled_forward(cls: type):
-    """One compiled forward per decoder-layer class (dynamo keys its compiled variants by the function's code and
-    guards, so every layer of a class and every model of that class share it)."""
-    if cls not in _COMPILED:
-        cfg = torch._dynamo.config
-        for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, knob):
-                setattr(cfg, knob, max(getattr(cfg, knob), RECOMPILE_LIMIT))
-        options = {"emulate_precision_casts": True} if COMPILE_BACKEND == "inductor" else None
-        from quantlab.engines.kernels import cuda_rtc
+def _options() -> dict | None:
+    """inductor's options for everything the decoder compiles (None for another backend)."""
+    cfg = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), RECOMPILE_LIMIT))
+    if COMPILE_BACKEND != "inductor":
+        return None
+    from quantlab.engines import fusion
+    from quantlab.engines.kernels import cuda_rtc
 
-        if options is not None and cuda_rtc.switch("QUANTLAB_PDL") and _inductor_has("triton.enable_pdl"):
-            options["triton.enable_pdl"] = True  # on compute capability 9.0+ only (inductor checks)
-        # inductor's horizontal fusion of a layer's independent kernels (rotary q, rotary k + cache write, cache
-        # write v: one launch; measured: INT4 decode 2.28 -> 2.20 ms a token on the 8B shape)
-        if options is not None and cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") and _inductor_has("combo_kernels"):
-            options["combo_kernels"] = True
-        _COMPILED[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, options=options)
+    options = {"emulate_precision_casts": True}
+    if cuda_rtc.switch("QUANTLAB_PDL") and _inductor_has("triton.enable_pdl"):
+        options["triton.enable_pdl"] = True  # on compute capability 9.0+ only (inductor checks)
+    # inductor's horizontal fusion of a layer's independent kernels (rotary q, rotary k + cache write, cache write v:
+    # one launch; measured: INT4 decode 2.28 -> 2.20 ms a token on the 8B shape)
+    if cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") and _inductor_has("combo_kernels"):
+        options["combo_kernels"] = True
+    # a one-row INT4 down projection adds the layer's residual as it writes (fusion.ResidualAdd: the add's kernel
+    # goes; nothing to rewrite in graphs without one)
+    if (cuda_rtc.switch("QUANTLAB_INT4_RESIDUAL") and fusion.available
+            and _inductor_has("post_grad_custom_post_pass")):
+        options["post_grad_custom_post_pass"] = fusion.RESIDUAL_ADD
+    return options
+
+
+def _compiled_forward(cls: type):
+    """One compiled forward per module class (decoder layers, edge_modules; dynamo keys its compiled variants by the
+    function's code and guards, so every module of a class and every model of that class share it)."""
+    if cls not in _COMPILED:
+        _COMPILED[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, options=_options())
     return _COMPILED[cls]
+
+
+def advance(logits: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, pos: torch.Tensor) -> None:
+    """The step's last ops: the next token (first_argmax of the float32 logits [B, V]) written to `tokens` and to
+    `out` after position pos, and pos moved on by one."""
+    nxt = first_argmax(logits)
+    tokens.copy_(nxt[:, None])
+    out.index_copy_(1, pos + 1, nxt[:, None])
+    pos.add_(1)
+
+
+def _compiled_advance():
+    if advance not in _COMPILED:
+        _COMPILED[advance] = torch.compile(advance, backend=COMPILE_BACKEND, options=_options())
+    return _COMPILED[advance]
 
 
 def _run_compiled(fn, layer: nn.Module, kv: KVLayer, cache: StaticKV, *args, **kwargs):
@@ -491,6 +535,11 @@ class Decoder:
             layer = _decoder_layer_of(model, name)
             if layer is not None:
                 self.layers.append((layer, self.cache.layers[module.layer_idx]))
+        from quantlab.engines.kernels import cuda_rtc
+
+        # compiled with the layers: the final norm and rotary embedding, and the step's argmax and writes (advance)
+        self.edges = (edge_modules(model, self.layers[0][0] if self.layers else None)
+                      if self.compile and cuda_rtc.switch("QUANTLAB_COMPILE_EDGES") else None)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch, max_len + 1, dtype=torch.long, device=self.device)
@@ -514,11 +563,14 @@ class Decoder:
                     layer.forward = functools.partial(_run_compiled, _compiled_forward(type(layer)), layer, kv,
                                                       self.cache)
                     installed.append(layer)
+                for module in self.edges or ():
+                    module.forward = functools.partial(_compiled_forward(type(module)), module)
+                    installed.append(module)
             yield
         finally:
             config._attn_implementation = previous
-            for layer in installed:
-                del layer.forward
+            for module in installed:
+                del module.forward
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, read_length: int, compiled: bool = False):
         """One forward writing `tokens` at `positions` and reading positions 0..read_length-1 -> the last
@@ -569,10 +621,8 @@ class Decoder:
             if self.logits is None:  # allocated by the first (uncaptured) run: the graph writes into it
                 self.logits = torch.empty_like(logits)
             self.logits.copy_(logits)
-        nxt = first_argmax(logits)
-        self.tokens.copy_(nxt[:, None])
-        self.out.index_copy_(1, self.pos + 1, nxt[:, None])
-        self.pos.add_(1)
+        step_end = _compiled_advance() if compiled and self.edges is not None else advance
+        step_end(logits, self.tokens, self.out, self.pos)
 
     def step(self) -> None:
         """Feed the last token, produce the next (written to `tokens` and `out`)."""

@@ -230,8 +230,10 @@ __device__ __forceinline__ float widen16(u16 h) {
 // Epilogue flags (EPI): GATED - the tile's rows 0..7 are gate rows and 8..15 the up rows of the same 8 outputs
 // (int4.interleave_gated): h = silu(gate) * up is written (N / 2 outputs), each step rounded to the 16-bit type as
 // torch computes act(gate) * up; SCALE - h times the next layer's pre_quant_scale (q [N / 2]), rounded once; ORDER - h
-// written in that layer's x_order (x_position), so the next GEMM reads it as is.
-constexpr int EPI_GATED = 1, EPI_SCALE = 2, EPI_ORDER = 4;
+// written in that layer's x_order (x_position), so the next GEMM reads it as is. RESIDUAL (not with the others): q
+// is a residual [M, N] laid out as y; y = q + the product, the product rounded to the 16-bit type first and the sum
+// rounded once (torch's residual + layer(x) in that type), so the layer's residual add needs no kernel of its own.
+constexpr int EPI_GATED = 1, EPI_SCALE = 2, EPI_ORDER = 4, EPI_RESIDUAL = 8;
 
 // Where input i sits in x_order: i = 128b + 16(j + 4s) + 4t + e -> 128b + 32t + 8e + 2j + s.
 __device__ __forceinline__ int x_position(int i) {
@@ -282,7 +284,12 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
             float v = 0.f;
 #pragma unroll
             for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
-            y[(size_t)col * sy + n0 + row] = round16<BF16>(v);
+            const size_t at = (size_t)col * sy + n0 + row;
+            if constexpr ((EPI & EPI_RESIDUAL) != 0) {
+                y[at] = round16<BF16>(widen16<BF16>(round16<BF16>(v)) + widen16<BF16>(q[at]));
+            } else {
+                y[at] = round16<BF16>(v);
+            }
         }
     }
 }
@@ -358,7 +365,7 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
             }
         }
     }
-    static_assert(!(PQS && EPI), "p is the epilogue's scale there");
+    static_assert(!(PQS && EPI), "p is the epilogue's scale or residual there");
     finish<WARPS, RT, BF16, EPI>(red, acc, y, M, sy, n0, p);
 }
 
@@ -368,8 +375,8 @@ w4a16_k8_mma(const u16* __restrict__ x, const uint4* __restrict__ w, const u16* 
 // so warps start on chunk 0 while the others land. The codes are requested before pdl_wait (they are constant; the
 // scale loads, one a row and block, are written there too, ptxas moves them after it), x after it by per-thread
 // loads (x staged by a bulk copy queued behind the codes came later: 2-3 us slower at gate|up). The arithmetic and
-// the reduction are the kernel's above, value for value; XP as there. p (pre_quant_scale) is not read: the argument
-// list is the register-fed kernel's.
+// the reduction are the kernel's above, value for value; XP as there. p is the epilogue's scale or residual (EPI),
+// never a pre_quant_scale: the argument list is the register-fed kernel's.
 __device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
@@ -442,13 +449,21 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-EPI_GATED, EPI_SCALE, EPI_ORDER = 1, 2, 4  # the epilogue flags (finish's EPI_* above)
+EPI_GATED, EPI_SCALE, EPI_ORDER, EPI_RESIDUAL = 1, 2, 4, 8  # the epilogue flags (finish's EPI_* above)
+
+
+def _check_epi(epi: int) -> None:
+    if epi & EPI_RESIDUAL and epi != EPI_RESIDUAL:
+        raise ValueError("the residual epilogue goes with no other epilogue flag")
+    if epi and not epi & (EPI_GATED | EPI_RESIDUAL):
+        raise ValueError("the scale and order flags belong to the gated epilogue")
 
 
 def tma_name(warps: int, spw: int, bf16: bool, xp: bool = False, epi: int = 0) -> str:
     """The name expression of one instantiation of the bulk-copy variant (spw: blocks of 128 inputs a warp; xp: x in
     x_order; epi: the epilogue flags). It has no pre_quant_scale instantiation (with one, 8 and 16 warps spill at its
     64 registers): the register-fed kernel takes those layers."""
+    _check_epi(epi)
     return f"w4a16_k8_tma<{warps}, {spw}, {_b(bf16)}, {_b(xp)}, {epi}>"
 
 
@@ -456,10 +471,11 @@ def name(warps: int, unroll: int, tiles: int, gs: int, bf16: bool, pqs: bool = F
          epi: int = 0) -> str:
     """The name expression of one instantiation (tiles: row tiles of 16 a warp; gs: 16, 32, 64, 128, or 0 for
     groups that are larger multiples of 128; pqs: x multiplied by pre_quant_scale in the kernel; xp: x in x_order,
-    not with pqs; epi: the epilogue flags, one tile a warp and not with pqs)."""
+    not with pqs; epi: the epilogue flags, not with pqs (the gated one: one tile a warp))."""
     if pqs and (xp or epi):
         raise ValueError("pre_quant_scale in the kernel goes with neither x in x_order nor an epilogue")
-    if epi and tiles != 1:
+    _check_epi(epi)
+    if epi & EPI_GATED and tiles != 1:
         raise ValueError("the gated epilogue takes one row tile a warp")
     return f"w4a16_k8_mma<{warps}, {unroll}, {tiles}, {gs}, {_b(bf16)}, {_b(pqs)}, {_b(xp)}, {epi}>"
 

@@ -26,7 +26,11 @@ import torch
 # - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._compiled_forward).
 # - QUANTLAB_INT4_XORDER: one-row INT4 layers hand the kernel x in its input order (int4_codes.in_x_order).
 # - QUANTLAB_INT4_EPILOGUE: SiLU * up in the INT4 gate|up kernel's epilogue (qlayers.Int4GatedMLP).
-SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS", "QUANTLAB_INT4_XORDER", "QUANTLAB_INT4_EPILOGUE")
+# - QUANTLAB_INT4_RESIDUAL: a compiled layer's residual add in its one-row INT4 down projection's kernel (fusion).
+# - QUANTLAB_COMPILE_EDGES: the decode step's ops outside the layers (final norm, rotary embedding, argmax and the
+#   step's writes) compiled with the layers (decode.edge_modules, decode.advance).
+SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS", "QUANTLAB_INT4_XORDER", "QUANTLAB_INT4_EPILOGUE",
+            "QUANTLAB_INT4_RESIDUAL", "QUANTLAB_COMPILE_EDGES")
 
 
 def switch(name: str) -> bool:

@@ -44,7 +44,7 @@ import torch
 
 from quantlab.engines.int4_codes import from_x_order, in_x_order, unpack_int4
 from quantlab.engines.kernels import cuda_rtc
-from quantlab.engines.kernels._int4_cuda import EPI_GATED, EPI_ORDER, EPI_SCALE
+from quantlab.engines.kernels._int4_cuda import EPI_GATED, EPI_ORDER, EPI_RESIDUAL, EPI_SCALE
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
@@ -508,8 +508,10 @@ def _mma_kernel(device: torch.device, cfg: dict, group: int, dtype: torch.dtype,
             case = (1, 32, k_of_tma, group, pqs)
         else:  # (with pre_quant_scale exactly when the instantiation multiplies by it: check() runs this one)
             case = (min(3, MMA_ROWS), 32 * cfg.get("tiles", 1), 2 * max(128, group), group, pqs)
-        if epi:
+        if epi & EPI_GATED:
             bad = failed_rows(lambda: check_gated(f"cuda:{index}", dtype, cfg, case[2], group, case[0]))
+        elif epi & EPI_RESIDUAL:
+            bad = failed_rows(lambda: check_residual(f"cuda:{index}", dtype, cfg, case[2], group, case[0]))
         else:
             bad = failed_rows(lambda: check(f"cuda:{index}", dtypes=(dtype,), cases=(case,), layouts=("mma",),
                                             variants=((name, cfg),)))
@@ -534,16 +536,22 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
             cfg: dict, y: torch.Tensor, explicit: bool = False) -> torch.Tensor:
     """Up to MMA_ROWS rows on tensor cores into y [M, N] (x times pre_quant_scale rounded to x's dtype first, as
     the reference: in the kernel, as x is loaded). cfg["xp"]: x is in x_order; cfg["epi"]: the gated epilogue
-    into y [M, N/2], `pqs` then being the epilogue's scale (int4 interleaved gate|up, see k8_launch_gated). A
+    into y [M, N/2], `pqs` then being the epilogue's scale (int4 interleaved gate|up, see k8_launch_gated), or the
+    residual epilogue, `pqs` then being the residual [M, N] added to the product (k8_launch_ordered_add). A
     bulk-copy configuration the shape or device does not take, or whose kernel cannot run, runs the register-fed
     kernel (the same arithmetic) when routed here, and raises when asked for (explicit)."""
     m, k = x.shape
     n = qweight.shape[0]
     rows = 16 * cfg.get("tiles", 1)
     xp, epi = bool(cfg.get("xp")), cfg.get("epi", 0)
-    epi_scale, pqs = (pqs, None) if epi else (None, pqs)  # with an epilogue, `pqs` is the epilogue's scale
-    if epi_scale is not None and (epi_scale.dtype != x.dtype or epi_scale.numel() != n // 2
-                                  or epi_scale.stride(-1) != 1):
+    epi_scale, pqs = (pqs, None) if epi else (None, pqs)  # with an epilogue, `pqs` is its scale or residual
+    if epi & EPI_RESIDUAL:
+        if (epi_scale is None or epi_scale.dtype != x.dtype or tuple(epi_scale.shape) != (m, n)
+                or epi_scale.stride() != y.stride() or y.shape != (m, n)):
+            raise ValueError(f"the residual epilogue takes a residual laid out as y [{m}, {n}] in {x.dtype}; got "
+                             f"{None if epi_scale is None else (epi_scale.dtype, tuple(epi_scale.shape))}")
+    elif epi_scale is not None and (epi_scale.dtype != x.dtype or epi_scale.numel() != n // 2
+                                    or epi_scale.stride(-1) != 1):
         raise ValueError(f"the gated epilogue's scale must be [{n // 2}] contiguous in {x.dtype}; got "
                          f"{epi_scale.dtype} {tuple(epi_scale.shape)}")
     if (not mma_applies(m, n, k, group, x.dtype) or n % rows or not x.is_cuda or scales_t.dtype != x.dtype
@@ -557,7 +565,7 @@ def _k8_mma(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, pqs:
         pqs = pqs.clone(memory_format=torch.contiguous_format)  # read 4 values at a time, as x
     if xp and pqs is not None:
         raise ValueError("x in x_order comes with pre_quant_scale applied (no kernel takes both)")
-    if epi and (rows != 16 or n % 32 or y.shape[1] != n // 2 or (epi & EPI_ORDER and (n // 2) % 128)):
+    if epi & EPI_GATED and (rows != 16 or n % 32 or y.shape[1] != n // 2 or (epi & EPI_ORDER and (n // 2) % 128)):
         raise ValueError(f"the gated epilogue takes one row tile a warp and N a multiple of 32 into y [M, N/2] (of "
                          f"256 when it writes in x_order); got {rows} rows a CTA, N={n}, y {tuple(y.shape)}")
     tma = bool(cfg.get("tma")) and pqs is None and tma_applies(m, n, k, group, x.dtype, x.device, cfg["warps"])
@@ -659,6 +667,63 @@ def w4a16_k8_ordered(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Ten
 @w4a16_k8_ordered.register_fake
 def _(x, qweight, _scales_t, _group):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ residual epilogue
+# A layer whose one-row output is added to a residual and nothing else (a decoder layer's last projection, the hidden
+# state it returns): the kernel adds it as it writes (EPI_RESIDUAL), the same two roundings as torch's residual + y in
+# the compute dtype, and the add's kernel goes. The compiled layers are rewritten to it (quantlab.engines.fusion);
+# QUANTLAB_INT4_RESIDUAL=0 turns it off.
+def k8_launch_ordered_add(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int,
+                          residual: torch.Tensor) -> torch.Tensor:
+    """residual + k8_launch_ordered(x, ...) in the residual's shape ([..., N] with M rows): the product rounded to x's
+    dtype, then the sum rounded once; where the kernel cannot run, the unfused op and torch's add (the same values)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if residual.dtype != x.dtype or residual.numel() != m * n or residual.shape[-1] != n:
+        raise ValueError(f"the residual epilogue takes a residual of {m} rows of {n} in {x.dtype}; got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    rows = residual.reshape(m, n).contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    try:
+        out = _k8_mma(x, qweight, scales_t, rows, group, {**_one_row_cfg(m, n, k), "xp": True, "epi": EPI_RESIDUAL}, y)
+    except MmaUnavailable as exc:
+        _say_once(("residual", str(x.device), k), "int4: %s; the residual is added by torch", exc)
+        out = rows + k8_launch_ordered(x, qweight, scales_t, group)
+    return out.view(residual.shape)
+
+
+@torch.library.custom_op("quantlab::w4a16_k8_ordered_add", mutates_args=())
+def w4a16_k8_ordered_add(x: torch.Tensor, qweight: torch.Tensor, scales_t: torch.Tensor, group: int,
+                         residual: torch.Tensor) -> torch.Tensor:
+    """k8_launch_ordered_add as one opaque op (what quantlab.engines.fusion rewrites w4a16_k8_ordered + add into)."""
+    return k8_launch_ordered_add(x, qweight, scales_t, group, residual)
+
+
+@w4a16_k8_ordered_add.register_fake
+def _(_x, _qweight, _scales_t, _group, residual):
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
+def check_residual(device: str, dtype: torch.dtype, cfg: dict, k: int, group: int, rows: int = 1,
+                   seed: int = 0) -> list[dict]:
+    """The residual epilogue against the same kernel without it followed by torch's add: equal value for value (the
+    same roundings)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 32 * cfg.get("tiles", 1)
+    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)  # the export layout: [N / 2, K]
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
+    qweight, scales_t = repack(packed.to(device), scales.to(device))
+    xo = in_x_order(torch.randn(rows, k, generator=g).to(dtype).to(device))
+    residual = (torch.randn(rows, n, generator=g) * 4).to(dtype).to(device)
+    plain = {key: v for key, v in cfg.items() if key != "epi"}
+    ref = residual + _k8_mma(xo, qweight, scales_t, None, group, plain,
+                             torch.empty(rows, n, dtype=dtype, device=device), explicit=True)
+    got = _k8_mma(xo, qweight, scales_t, residual, group, cfg, torch.empty(rows, n, dtype=dtype, device=device),
+                  explicit=True)
+    equal = bool(torch.equal(got, ref))
+    return [{"kernel": "residual epilogue", "dtype": str(dtype), "k": k, "rows": rows,
+             "worst": 0.0 if equal else float((got.float() - ref.float()).abs().max()), "ok": equal}]
 
 
 # ------------------------------------------------------------------------------------------------ gated epilogue
