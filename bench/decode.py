@@ -50,7 +50,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from quantlab.engines import decode, qlayers  # noqa: E402
+from quantlab.engines import decode, fusion, qlayers  # noqa: E402
 from quantlab.engines.base import Engine, Limits  # noqa: E402
 from quantlab.engines.hf import HFModelEngine  # noqa: E402
 from quantlab.engines.kernels import cuda_rtc  # noqa: E402
@@ -142,11 +142,15 @@ def environment() -> dict:
     out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
            "transformers": transformers.__version__, "triton": triton_version, "copy_bandwidth_GBps": bandwidth / 1e9,
            "pdl": cuda_rtc.pdl_on(DEVICE), "int4_xorder": cuda_rtc.switch("QUANTLAB_INT4_XORDER"),
-           "int4_epilogue": cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE")}
+           "int4_epilogue": cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE"),
+           "int4_residual": cuda_rtc.switch("QUANTLAB_INT4_RESIDUAL"),
+           "compile_edges": cuda_rtc.switch("QUANTLAB_COMPILE_EDGES")}
     say(f"{out['gpu']}: torch {out['torch']}, transformers {out['transformers']}, triton {triton_version}; "
         f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); programmatic dependent launch "
         f"{'on' if out['pdl'] else 'off'} (QUANTLAB_PDL); INT4 x in x_order {'on' if out['int4_xorder'] else 'off'} "
-        f"(QUANTLAB_INT4_XORDER), gated epilogue {'on' if out['int4_epilogue'] else 'off'} (QUANTLAB_INT4_EPILOGUE)")
+        f"(QUANTLAB_INT4_XORDER), gated epilogue {'on' if out['int4_epilogue'] else 'off'} (QUANTLAB_INT4_EPILOGUE), "
+        f"residual epilogue {'on' if out['int4_residual'] else 'off'} (QUANTLAB_INT4_RESIDUAL), norm / rotary / "
+        f"argmax compiled {'on' if out['compile_edges'] else 'off'} (QUANTLAB_COMPILE_EDGES)")
     return out
 
 
@@ -606,6 +610,7 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
             dec.close()
             del dec
             empty_cache()
+        row["residual_adds_fused"] = dict(fusion.STATS)  # this process's compiled graphs so far
         out["batches"][batch] = row
         say(f"  {prec:8s} B={batch:3d} decode {row['decode_ms_per_token']:7.3f} ms/token "
             f"[{row['decode_ms_spread'][0]:.3f}-{row['decode_ms_spread'][1]:.3f}] "
@@ -617,7 +622,8 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
             + (f", x{row['prefill_speedup_vs_bf16']:.2f} prefill" if "prefill_speedup_vs_bf16" in row else "")
             + f"; first step {row['first_step_s']:.1f}s captured={row['captured']} compiled={row['compiled']}"
             + (f" capture_error={row['capture_error']}" if row["capture_error"] else "")
-            + (f" compile_error={row['compile_error']}" if row["compile_error"] else ""))
+            + (f" compile_error={row['compile_error']}" if row["compile_error"] else "")
+            + f"; residual adds fused so far {fusion.STATS['fused']} in {fusion.STATS['graphs']} graphs")
         if "profile" in row and "top" in row["profile"]:
             p = row["profile"]
             say(f"    profile of one uncaptured step: {p['kernels']} kernels, {p['gpu_us'] / 1e3:.2f} ms GPU; top: "
