@@ -70,7 +70,11 @@ def test_rewrite_leaves_adds_whose_values_would_change():
     def normed(x, q, s, residual):  # a post-feedforward norm between them (Gemma 2 / 3)
         return residual + torch.nn.functional.rms_norm(_proj(x, q, s), (N,)).reshape(1, 1, -1)
 
-    for fn in (read_twice, in_float32, through_fp16, scaled, normed):
+    def doubled(x, q, s, residual):  # the projection added to itself
+        h = _proj(x, q, s).reshape(1, 1, -1)
+        return h + h
+
+    for fn in (read_twice, in_float32, through_fp16, scaled, normed, doubled):
         count, gm = _rewritten(fn, *_inputs())
         assert count == 0, fn.__name__
         assert "quantlab.w4a16_k8_ordered.default" in _ops(gm), fn.__name__

@@ -78,6 +78,8 @@ def fuse_residual_adds(graph: torch.fx.Graph) -> int:
             if found is None or _dtype(other) != dtype or other.meta["val"].shape != shape:
                 continue
             proj, chain = found
+            if other is proj or other in chain:  # the projection added to itself: no residual to take
+                continue
             if shape[-1] != proj.meta["val"].shape[-1] or add.meta["val"].numel() != proj.meta["val"].numel():
                 continue
             with graph.inserting_before(add):

@@ -81,6 +81,13 @@ __device__ __forceinline__ uint2 ld_const(const void* p) {
     return v;
 }
 
+// the residual (RESIDUAL epilogue: written by the previous kernels) by a coherent load, as x
+__device__ __forceinline__ u16 ld_res(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+
 template <typename T>
 __device__ __forceinline__ T* after_wait(T* p) {
     asm volatile("" : "+l"(p) :: "memory");
@@ -286,7 +293,7 @@ __device__ __forceinline__ void finish(float (&red)[WARPS][16 * RT][8], const fl
             for (int k = 0; k < WARPS; ++k) v += red[k][row][col];
             const size_t at = (size_t)col * sy + n0 + row;
             if constexpr ((EPI & EPI_RESIDUAL) != 0) {
-                y[at] = round16<BF16>(widen16<BF16>(round16<BF16>(v)) + widen16<BF16>(q[at]));
+                y[at] = round16<BF16>(widen16<BF16>(round16<BF16>(v)) + widen16<BF16>(ld_res(q + at)));
             } else {
                 y[at] = round16<BF16>(v);
             }
