@@ -423,10 +423,6 @@ def _inductor_has(knob: str) -> bool:
 
 def _options() -> dict | None:
     """inductor's options for everything the decoder compiles (None for another backend)."""
-    cfg = torch._dynamo.config
-    for knob in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, knob):
-            setattr(cfg, knob, max(getattr(cfg, knob), RECOMPILE_LIMIT))
     if COMPILE_BACKEND != "inductor":
         return None
     from quantlab.engines import fusion
@@ -447,12 +443,17 @@ def _options() -> dict | None:
     return options
 
 
-def _compiled_forward(cls: type):
-    """One compiled forward per module class (decoder layers, edge_modules; dynamo keys its compiled variants by the
-    function's code and guards, so every module of a class and every model of that class share it)."""
-    if cls not in _COMPILED:
-        _COMPILED[cls] = torch.compile(cls.forward, backend=COMPILE_BACKEND, options=_options())
-    return _COMPILED[cls]
+def _compiled(fn):
+    """One compiled version of a function: a module class's forward (decoder layers, edge_modules; dynamo keys its
+    compiled variants by the function's code and guards, so every module of a class and every model of that class
+    share it) or advance."""
+    if fn not in _COMPILED:
+        cfg = torch._dynamo.config
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, knob):
+                setattr(cfg, knob, max(getattr(cfg, knob), RECOMPILE_LIMIT))
+        _COMPILED[fn] = torch.compile(fn, backend=COMPILE_BACKEND, options=_options())
+    return _COMPILED[fn]
 
 
 def advance(logits: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, pos: torch.Tensor) -> None:
@@ -462,12 +463,6 @@ def advance(logits: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, pos: 
     tokens.copy_(nxt[:, None])
     out.index_copy_(1, pos + 1, nxt[:, None])
     pos.add_(1)
-
-
-def _compiled_advance():
-    if advance not in _COMPILED:
-        _COMPILED[advance] = torch.compile(advance, backend=COMPILE_BACKEND, options=_options())
-    return _COMPILED[advance]
 
 
 def _run_compiled(fn, layer: nn.Module, kv: KVLayer, cache: StaticKV, *args, **kwargs):
@@ -560,11 +555,11 @@ class Decoder:
         try:
             if compiled:
                 for layer, kv in self.layers:
-                    layer.forward = functools.partial(_run_compiled, _compiled_forward(type(layer)), layer, kv,
+                    layer.forward = functools.partial(_run_compiled, _compiled(type(layer).forward), layer, kv,
                                                       self.cache)
                     installed.append(layer)
                 for module in self.edges or ():
-                    module.forward = functools.partial(_compiled_forward(type(module)), module)
+                    module.forward = functools.partial(_compiled(type(module).forward), module)
                     installed.append(module)
             yield
         finally:
@@ -621,7 +616,7 @@ class Decoder:
             if self.logits is None:  # allocated by the first (uncaptured) run: the graph writes into it
                 self.logits = torch.empty_like(logits)
             self.logits.copy_(logits)
-        step_end = _compiled_advance() if compiled and self.edges is not None else advance
+        step_end = _compiled(advance) if compiled and self.edges is not None else advance
         step_end(logits, self.tokens, self.out, self.pos)
 
     def step(self) -> None:

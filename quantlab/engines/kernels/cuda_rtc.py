@@ -23,7 +23,7 @@ import torch
 #   kernels on compute capability 9.0+: a kernel starts while the previous one ends and waits (griddepcontrol.wait)
 #   before it touches what that one wrote, so its weight loads overlap the previous kernel's tail; 0 for a comparison
 #   or a driver that refuses it (each kernel then starts when the previous one has ended).
-# - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._compiled_forward).
+# - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._options).
 # - QUANTLAB_INT4_XORDER: one-row INT4 layers hand the kernel x in its input order (int4_codes.in_x_order).
 # - QUANTLAB_INT4_EPILOGUE: SiLU * up in the INT4 gate|up kernel's epilogue (qlayers.Int4GatedMLP).
 # - QUANTLAB_INT4_RESIDUAL: a compiled layer's residual add in its one-row INT4 down projection's kernel (fusion).

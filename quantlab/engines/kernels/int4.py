@@ -705,15 +705,21 @@ def _(_x, _qweight, _scales_t, _group, residual):
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
+def _random_k8(g: torch.Generator, n: int, k: int, group: int, dtype: torch.dtype,
+               device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [N, K] layer of random codes and small positive scales in the k8 layout (the epilogues' first-use checks)."""
+    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)  # the export layout: [N / 2, K]
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
+    return repack(packed.to(device), scales.to(device))
+
+
 def check_residual(device: str, dtype: torch.dtype, cfg: dict, k: int, group: int, rows: int = 1,
                    seed: int = 0) -> list[dict]:
     """The residual epilogue against the same kernel without it followed by torch's add: equal value for value (the
     same roundings)."""
     g = torch.Generator().manual_seed(seed)
     n = 32 * cfg.get("tiles", 1)
-    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)  # the export layout: [N / 2, K]
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
-    qweight, scales_t = repack(packed.to(device), scales.to(device))
+    qweight, scales_t = _random_k8(g, n, k, group, dtype, device)
     xo = in_x_order(torch.randn(rows, k, generator=g).to(dtype).to(device))
     residual = (torch.randn(rows, n, generator=g) * 4).to(dtype).to(device)
     plain = {key: v for key, v in cfg.items() if key != "epi"}
@@ -804,9 +810,7 @@ def check_gated(device: str, dtype: torch.dtype, cfg: dict, k: int, group: int, 
     place of the 16-bit type. One row per flag combination the configuration's epilogue has (scale, order)."""
     g = torch.Generator().manual_seed(seed)
     n = 256  # 128 outputs: whole blocks of the next layer's x_order
-    packed = torch.randint(0, 256, (n // 2, k), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
-    qweight, scales_t = interleave_gated(*repack(packed.to(device), scales.to(device)))
+    qweight, scales_t = interleave_gated(*_random_k8(g, n, k, group, dtype, device))
     x = torch.randn(rows, k, generator=g).to(dtype).to(device)
     scale = (torch.rand(n // 2, generator=g) + 0.5).to(dtype).to(device) if cfg["epi"] & EPI_SCALE else None
     order_out = bool(cfg["epi"] & EPI_ORDER)
