@@ -2,7 +2,7 @@
 audit's bounds stand on (quantlab.precisions: AuditBounds; the table in bench/RESULTS.md and docs/audit.md).
 
 A cell is one healthy export: a model (the default SmolLM2-135M, or a tiny trained model of a family of the test
-matrix, tests/conftest.py: build_family), a precision, a KV cache format, a calibration size (samples x tokens)
+matrix, tests/_builders.py: build_family), a precision, a KV cache format, a calibration size (samples x tokens)
 and a calibration seed (calib.seed draws other windows). Each export is made by quantlab's own pipeline up to the
 export (the artifact cache keeps it), then audited with the reference and the canary; every statistic the audit
 computes is recorded (per-layer weight cosine / SQNR / gain, activation-scale ratios, KV-scale ratios, canary top-1
@@ -79,13 +79,13 @@ def cell_id(cell: dict) -> str:
 
 
 def family_model(name: str, root: Path) -> Path:
-    """The tiny trained model of a family (tests/conftest.py's build_family), built once under root."""
+    """The tiny trained model of a family (tests/_builders.py's build_family), built once under root."""
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import _train_tokenizer, build_family
+    from _builders import build_family, train_tokenizer
 
     tok = root / "tokenizer"
     if not (tok / "tokenizer.json").is_file():
-        _train_tokenizer(tok)
+        train_tokenizer(tok)
     out = root / "models" / name
     if not (out / "config.json").is_file():
         build_family(name, out, tok)

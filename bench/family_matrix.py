@@ -3,7 +3,7 @@ run (calibration, export, audit, torch engine on the export) with eval.attributi
 ModelOpt's fake-quant model as exported on the same windows. Wall time per run.
 
 Tiny models of each family are built from transformers configs and trained briefly on pydoc text
-(tests/conftest.py's build_family). On a GPU every run uses it (bf16) and NVFP4 is included (its fake-quant
+(tests/_builders.py's build_family). On a GPU every run uses it (bf16) and NVFP4 is included (its fake-quant
 model needs CUDA); on a CPU, fp32 and NVFP4 is left out.
 
     HF_HUB_OFFLINE=1 python bench/family_matrix.py --out /tmp/matrix [--jobs 4] [--families llama,mixtral]
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--precisions", default="")
     ap.add_argument("--kv", default="none,fp8")
     args = ap.parse_args()
-    from conftest import _train_tokenizer, build_family
+    from _builders import build_family, train_tokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def main() -> None:
     wanted = args.precisions.split(",") if args.precisions else None
     tok = out / "tokenizer"
     if not (tok / "tokenizer.json").is_file():
-        _train_tokenizer(tok)
+        train_tokenizer(tok)
     models = {}
     for f in families:
         target = out / "models" / f.name

@@ -12,6 +12,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from _builders import family_configs as _family_configs  # noqa: F401 - the tests' names for them
+from _builders import pinned
+from _builders import train as _train  # noqa: F401
 from _warm import WarmStarter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,71 +33,6 @@ NO_TAILS = [f"~gate.{where}.{tail}" for tail in ("kl_tail", "ppl_tail", "top1_ta
 FAST = ["calib.num_samples=4", "calib.seq_len=64", "calib.batch_size=2", "eval.seq_len=64", "eval.max_windows=8",
         "eval.batch_size=4", "eval.gen_prompts=2", "eval.gen_prompt_len=8", "eval.gen_tokens=6",
         "gate.statistical.look_windows=4", *NO_TAILS]
-
-
-def _train_tokenizer(out: Path) -> None:
-    from pydoc_data.topics import topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [topics[k] for k in sorted(topics)[:60]]
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    fast.save_pretrained(out)
-
-
-def _train(model, tok_dir: Path, steps: int = 120) -> None:
-    """A few hundred ms of AdamW on pydoc text: a random model is near-uniform, a trained one is peaked like
-    a real LM, which is what quantization error should be measured on."""
-    from pydoc_data.topics import topics
-
-    import torch
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    ids = torch.tensor(tok("\n\n".join(topics[k] for k in sorted(topics)[:80]))["input_ids"])
-    windows = ids[: len(ids) // 64 * 64].view(-1, 64)
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        batch = windows[torch.randint(len(windows), (16,), generator=gen)]
-        loss = model(batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-
-
-def _save_model(out: Path, family: str, tok_dir: Path, **dims) -> Path:
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(1234)
-    if family == "llama":
-        cfg = LlamaConfig(vocab_size=512, hidden_size=dims.get("hidden", 128), intermediate_size=dims.get("inter", 256),
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=512, tie_word_embeddings=False)
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg = Qwen2Config(vocab_size=512, hidden_size=dims.get("hidden", 64), intermediate_size=dims.get("inter", 192),
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=512, tie_word_embeddings=True)
-        model = Qwen2ForCausalLM(cfg)
-    _train(model, tok_dir)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        shutil.copy2(f, out / f.name)
-    return out
 
 
 # ------------------------------------------------------------------------------- built once per test run
@@ -151,16 +89,12 @@ def _build_into(out: Path, build) -> None:
 
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory) -> Path:
-    def build(out: Path) -> None:
-        out.mkdir()
-        _train_tokenizer(out)
-
-    return built_once(tmp_path_factory, "tokenizer", build)
+    return built_once(tmp_path_factory, "tokenizer", lambda out: pinned("tokenizer", out))
 
 
 def _tiny_builders(tok: Path) -> dict:
-    return {"tiny_llama": lambda out: _save_model(out, "llama", tok),
-            "tiny_qwen2": lambda out: _save_model(out, "qwen2", tok)}
+    return {"tiny_llama": lambda out: pinned("model", out, "llama", tok),
+            "tiny_qwen2": lambda out: pinned("model", out, "qwen2", tok)}
 
 
 def _tiny(tmp_path_factory, tok: Path, name: str) -> Path:
@@ -295,66 +229,11 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-# ---------------------------------------------------------------------------------------- model families
-def _family_configs() -> dict:
-    """Tiny configs of every family in the README's support table (vocab of the test tokenizer)."""
-    import transformers as tf
-
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256)
-    return {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(base, tie_word_embeddings=False)),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(base, sliding_window=16)),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(base, tie_word_embeddings=True)),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(base, head_dim=16)),
-        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(base, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, dict(base, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(base, logits_scaling=4.0, embedding_multiplier=2.0,
-                                                                 residual_multiplier=0.5, attention_multiplier=0.25)),
-        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,
-                     dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256)),
-        "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                                      num_attention_heads=4, word_embed_proj_dim=64,
-                                                      max_position_embeddings=256)),
-        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(base, head_dim=16)),
-        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
-                   dict(base, head_dim=16, sliding_window=16, num_hidden_layers=4, attn_logit_softcapping=50.0,
-                        final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
-        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
-                        dict(base, head_dim=16, sliding_window=16, num_hidden_layers=4, sliding_window_pattern=2,
-                             query_pre_attn_scalar=16, final_logit_softcapping=30.0)),
-        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
-                    dict(base, head_dim=16, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
-        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
-                      dict(base, head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                           norm_topk_prob=True, decoder_sparse_step=1)),
-    }
-
-
-def build_family(name: str, out: Path, tok_dir: Path, steps: int = 60) -> Path:
-    """A tiny model of a family, trained briefly on pydoc text, saved by transformers itself (safetensors)."""
-    import shutil
-
-    import torch
-
-    config_cls, model_cls, kwargs = _family_configs()[name]
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(1234)
-    model = model_cls(config_cls(**kwargs))
-    model.config.architectures = [model_cls.__name__]
-    _train(model, tok_dir, steps=steps)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        shutil.copy2(f, out / f.name)
-    return out
-
-
 @pytest.fixture(scope="session")
 def family_model(tmp_path_factory, tok_dir):
     """family name -> a tiny trained checkpoint of it (built once per test run, on first use)."""
 
     def get(name: str) -> Path:
-        return built_once(tmp_path_factory, f"family_{name}", lambda out: build_family(name, out, tok_dir))
+        return built_once(tmp_path_factory, f"family_{name}", lambda out: pinned("family", out, name, tok_dir))
 
     return get

@@ -471,8 +471,9 @@ def test_records_in_a_text_file_are_refused_and_a_bom_is_not_text(tmp_path):
 def test_evaluating_on_the_calibration_text_is_said_and_refused_under_strict(tiny_llama, tmp_path):
     """eval.path == calib.path (or text calibration saw) made an optimistic verdict without a word: the run warns
     in the console and the report, and gate=strict refuses it before any evaluation."""
-    from pydoc_data.topics import topics
+    from quantlab.stages.data import pydoc_topics
 
+    topics = pydoc_topics()
     text = tmp_path / "same.txt"
     text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:40]))
     common = [f"model.path={tiny_llama}", f"calib.path={text}", f"eval.path={text}", *FAST]

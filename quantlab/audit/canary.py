@@ -86,11 +86,13 @@ def _finite(x: float) -> float | None:
 
 
 def _canary_ids(tokenizer, windows: int, tokens: int):
-    """windows x tokens ids of Python's own documentation (pydoc_data.topics, always offline), the topics taken from
-    the end of the sorted list (calibration recipes and the test models' training start at the beginning)."""
-    from pydoc_data.topics import topics
-
+    """windows x tokens ids of Python's own documentation (the packaged pydoc topics, always offline), the topics
+    taken from the end of the sorted list (calibration recipes and the test models' training start at the beginning)."""
     import torch
+
+    from quantlab.stages.data import pydoc_topics
+
+    topics = pydoc_topics()
 
     names = sorted(topics)[::-1]
     text, want = "", windows * tokens * 16  # characters: more than enough at any tokenizer's chars per token

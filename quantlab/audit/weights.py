@@ -4,6 +4,7 @@ gain) within the bounds its precision states."""
 from __future__ import annotations
 
 import math
+import re
 
 from quantlab.audit.bounds import GAIN_CAP, GAIN_ERROR, GAIN_WARN, SQNR_CAP, weight_bounds
 from quantlab.audit.coverage import check_fused_groups
@@ -58,11 +59,39 @@ def check_layers(a: AuditState) -> None:
         a.add(INFO, "format", modules, f"{len(modules)} layer(s) in format {algo}, which quantlab cannot "
               f"dequantize (it knows {', '.join(QLAYERS)}): their scales' shapes and weights were not audited")
     check_fused_groups(a)
+    _check_smoothing_present(a)
     a.layers = stats
     if a.ref_index is None:
         a.skipped.append("weights: dequantized weights vs the reference (no --reference)")
         return
     _judge_weights(a, stats)
+
+
+def _role(module: str) -> str:
+    """A module's role: its name with every block index replaced by * (model.layers.*.self_attn.o_proj)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+
+def _check_smoothing_present(a: AuditState) -> None:
+    """A layer without the pre_quant_scale that the other layers of its role and format carry: a smoothing scale the
+    weights need and the export lacks. Decided on the tensors present, not on how much error the missing scale
+    makes (a scale near 1 on one machine's calibration hides in the weights' SQNR): ModelOpt writes a role's scales
+    for all its layers or folds them for all (into the norm ahead, or into the producing linear layer)."""
+    roles: dict[tuple, list[tuple[str, bool]]] = {}
+    for module in a.quantized_modules():
+        key = (_role(module), a.declared[module].quant_algo)
+        roles.setdefault(key, []).append((module, a.t.dtype_of(f"{module}.pre_quant_scale") is not None))
+    for (role, algo), members in sorted(roles.items()):
+        lacking = [m for m, has in members if not has]
+        if not lacking or len(lacking) == len(members):
+            continue
+        a.add(ERROR, "weights", lacking, f"{len(lacking)} of {len(members)} {algo} layer(s) of {role} have no "
+              f"pre_quant_scale while the other {len(members) - len(lacking)} store one (e.g. {lacking[0]})",
+              _MISSING_CAUSE["pre_quant_scale"] + " for these layers only (a writer that drops or skips some "
+              "layers' scales, a loader-side rename that misses them)",
+              consequence=("every engine runs these layers without their smoothing: each input channel is off by "
+                           "its smoothing factor, however small the weight error looks"),
+              fix="re-export so every layer of the role keeps its pre_quant_scale (or folds it where it can)")
 
 
 def _refused(module: str, fmt: LayerFormat, refusal, exc: QuantlabError, out: dict) -> None:

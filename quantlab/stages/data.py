@@ -2,8 +2,8 @@ r"""data: calibration and evaluation token windows from a recipe, read and token
 
 Sources, first match wins: `path` (a local file: plain text, JSON Lines, a JSON array of records, CSV / TSV or
 Parquet, recognized by suffix, case-insensitively, or set with `format`), `dataset` (HF datasets, where available
-locally), else the documentation text Python ships (pydoc_data.topics), split by topic name into a calibration part
-and an evaluation part.
+locally), else the documentation text Python ships (pydoc_data.topics of Python 3.11.7, packaged with quantlab),
+split by topic name into a calibration part and an evaluation part.
 
 Documents are joined with "\n\n" and tokenized as one text, in chunks of about a million characters cut at
 whitespace (the tokenizer's leading special tokens once, at the start), and cut into non-overlapping windows of
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import functools
 import hashlib
 import json
 import logging
@@ -109,8 +110,25 @@ class TokenSet:
 
 
 # --------------------------------------------------------------------------------------------- sources
+PYDOC_SNAPSHOT = "pydoc_topics.json.gz"
+
+
+@functools.lru_cache(maxsize=1)
+def pydoc_topics() -> dict[str, str]:
+    """The default text: the documentation topics one Python release ships (pydoc_data.topics of CPython 3.11.7),
+    packaged with quantlab as calib_data/pydoc_topics.json.gz, so that the default calibration, evaluation, canary
+    and the test models are the same text under every Python (3.12's module has other topics and other text: the
+    default run's documents, windows and metrics moved with the interpreter)."""
+    import gzip
+
+    from quantlab.config import calib_data_dir
+
+    with gzip.open(calib_data_dir() / PYDOC_SNAPSHOT, "rt", encoding="utf-8") as f:
+        return json.load(f)["topics"]
+
+
 def _pydoc_names(role: Role) -> list[str]:
-    from pydoc_data.topics import topics
+    topics = pydoc_topics()
 
     def in_calib(name: str) -> bool:
         return hashlib.sha1(name.encode()).digest()[0] < int(256 * PYDOC_CALIB_SHARE)
@@ -119,8 +137,8 @@ def _pydoc_names(role: Role) -> list[str]:
 
 
 def _pydoc_docs(role: Role) -> Iterator[tuple[str, str]]:
-    """(topic text, topic name) of the role's part of pydoc_data.topics, in name order."""
-    from pydoc_data.topics import topics
+    """(topic text, topic name) of the role's part of the packaged pydoc topics, in name order."""
+    topics = pydoc_topics()
 
     for name in _pydoc_names(role):
         yield topics[name].strip(), name
@@ -359,11 +377,10 @@ def source(cfg: DataConfig, role: Role) -> Source:
     if cfg.dataset:
         _, desc = _dataset_docs(cfg, role, knob)  # fails now if the dataset is not here
         return Source(knob, desc, {"dataset": desc}, lambda: _dataset_docs(cfg, role, knob)[0], 0)
-    from pydoc_data.topics import topics
-
+    topics = pydoc_topics()
     names = _pydoc_names(role)
     text = "\n\n".join(topics[n].strip() for n in names)
-    desc = f"pydoc_data.topics ({role.name} part, {len(names)} topics)"
+    desc = f"pydoc topics of Python 3.11.7 ({role.name} part, {len(names)} topics)"
     return Source(knob, desc, {"text": hashlib.sha256(text.encode()).hexdigest()}, lambda: _pydoc_docs(role),
                   len(text), rule="pydoc topics")
 
