@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO / "tests"))
 def build_llama8b(out: Path, layers: int) -> dict:
     import torch
     import transformers as tf
-    from conftest import _train_tokenizer
+    from _builders import train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    _train_tokenizer(out)
+    train_tokenizer(out)
     cfg = tf.LlamaConfig(vocab_size=512, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                          tie_word_embeddings=False)

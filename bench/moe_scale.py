@@ -28,10 +28,10 @@ sys.path.insert(0, str(REPO / "tests"))
 def build(out: Path, args) -> dict:
     import torch
     import transformers as tf
-    from conftest import _train_tokenizer
+    from _builders import train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    _train_tokenizer(out)
+    train_tokenizer(out)
     cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=args.hidden, num_hidden_layers=args.layers,
                             num_attention_heads=args.heads, num_key_value_heads=4, head_dim=args.head_dim,
                             intermediate_size=args.intermediate * 8, moe_intermediate_size=args.intermediate,

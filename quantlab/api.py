@@ -52,14 +52,18 @@ def run(overrides: Sequence[str] | Config = (), run_dir: str | Path | None = Non
 
 def execute(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> RunResult:
     """Run a composed Config into run_dir (the CLI's and run()'s one dispatch): +search=... runs the search driver
-    (search.json, report.md; metrics.json per evaluation), anything else the pipeline."""
-    if cfg.search is not None:
-        from quantlab.search.driver import run_search
+    (search.json, report.md; metrics.json per evaluation), anything else the pipeline. run_dir is held while the
+    run writes it: a second run into it raises quantlab.rundir.RunDirBusy (exit 2) and writes nothing there."""
+    from quantlab.rundir import claim
 
-        return run_search(cfg, run_dir, snapshot, argv)
-    from quantlab.pipeline import run_pipeline
+    with claim(run_dir, argv):
+        if cfg.search is not None:
+            from quantlab.search.driver import run_search
 
-    return run_pipeline(cfg, run_dir, snapshot, argv)
+            return run_search(cfg, run_dir, snapshot, argv)
+        from quantlab.pipeline import run_pipeline
+
+        return run_pipeline(cfg, run_dir, snapshot, argv)
 
 
 def plan(overrides: Sequence[str]):

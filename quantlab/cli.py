@@ -25,7 +25,7 @@ from quantlab.gate.metrics import GATEABLE
 from quantlab.precisions import PRECISION_SCHEMAS
 from quantlab.registry import did_you_mean
 from quantlab.report.sweep import exit_codes
-from quantlab.rundir import STATUS
+from quantlab.rundir import STATUS, RunDirBusy
 
 LOCAL_LAUNCHERS = ("basic", "joblib", "submitit_local")  # jobs run on this machine
 HYDRA_FLAGS = ("--cfg", "-c", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")  # --help is quantlab's
@@ -145,9 +145,13 @@ def check_argv(args: list[str]) -> list[str]:
     return args
 
 
-def check_output_dir(args: list[str]) -> None:
-    """The run / sweep directory must be creatable; otherwise Hydra fails with a traceback wall."""
-    multirun = "-m" in args or "--multirun" in args
+def check_output_dir(args: list[str], multirun: bool | None = None) -> None:
+    """The run / sweep directory must be creatable (otherwise Hydra fails with a traceback wall), and a fixed run
+    directory free (check_run_dir_free)."""
+    if multirun is None:
+        multirun = "-m" in args or "--multirun" in args
+    if not multirun:
+        check_run_dir_free(args)
     key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
     target = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith(key)), "outputs")
     if not target.strip():
@@ -160,6 +164,29 @@ def check_output_dir(args: list[str]) -> None:
         raise QuantlabError(f"the output directory {target} cannot be created: {probe} is not a writable directory",
                             fix="run from a writable directory, or set hydra.run.dir=/a/writable/path "
                                 "(hydra.sweep.dir for sweeps)")
+
+
+def check_run_dir_free(args: list[str]) -> None:
+    """A fixed hydra.run.dir that another run holds is refused before Hydra writes its .hydra/ files and log there
+    (quantlab.rundir.claim is the authoritative check, made again when the run starts)."""
+    given = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra.run.dir=")), None)
+    if not given or "${" in given:
+        return
+    from filelock import FileLock, Timeout
+
+    from quantlab.rundir import LOCK, claim
+
+    lock_path = Path(given).expanduser() / LOCK
+    if not lock_path.exists():
+        return
+    probe = FileLock(str(lock_path))
+    try:
+        probe.acquire(timeout=0)
+    except Timeout:
+        with claim(Path(given).expanduser()):  # raises RunDirBusy naming the holder
+            pass
+    else:
+        probe.release()
 
 
 def _pin_sweep_dir(args: list[str]) -> tuple[list[str], Path]:
@@ -190,6 +217,10 @@ def _task(dict_cfg) -> None:
         cfg = OmegaConf.to_object(dict_cfg)
         snapshot = OmegaConf.to_container(dict_cfg, resolve=True)
         code = execute(cfg, run_dir, snapshot, sys.argv[1:]).exit_code
+    except RunDirBusy as exc:  # the directory is another run's: write nothing there
+        print(f"\nquantlab: error: {exc}", file=sys.stderr)
+        _outcomes.append(exc.exit_code)
+        return
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
         code, error = exc.exit_code, str(exc)
@@ -232,7 +263,7 @@ def _main(args: list[str]) -> int:
         if not any(a in HYDRA_FLAGS for a in args):
             args = check_argv(args)
         if not plan_only:
-            check_output_dir(args)
+            check_output_dir(args, multirun)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -108,6 +108,7 @@ class EvalConfig(DataConfig):
     gen_tokens: int = 32
     attribution: bool = False  # also evaluate the fake-quant model to split quantization vs engine loss
     speed: bool = True  # on a GPU: decode / prefill speed and memory against the unquantized model (paired rounds)
+    numerics: bool = True  # re-evaluate the first look's windows with last-bit perturbations: machine-dependent digits
 
 
 # ------------------------------------------------------------------------------------------ precision
@@ -171,5 +172,6 @@ class Config:
     gate: GateConfig = field(default_factory=GateConfig)
     cache_dir: Optional[str] = None  # default: $QUANTLAB_CACHE or ~/.cache/quantlab
     stop_after: Optional[str] = None  # one of STAGES, to end the run early
+    run_checkpoint: str = "hardlink"  # RUN/checkpoint: hardlink (copy across filesystems), copy, or symlink
     quiet: bool = False
     search: Optional[SearchConfig] = None  # +search=cheapest: find the cheapest configuration that passes

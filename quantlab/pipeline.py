@@ -17,7 +17,7 @@ from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK, QuantlabError
 from quantlab.gate import checks as gate_checks
 from quantlab.graph import Executor, steps_for, targets
-from quantlab.rundir import RunResult, finish, link, set_aside_previous
+from quantlab.rundir import RunResult, finish, set_aside_previous
 from quantlab.stages import build, evaluate
 from quantlab.step import RunContext, Step
 
@@ -135,7 +135,7 @@ class _Run:
         run.run(targets(self.steps))  # the graph's targets (each builds what it needs, once)
         self.record["artifacts"] = _artifacts(run)
         if "export" in run.values:
-            link(self.run_dir / "checkpoint", run.values["export"].path)
+            self.place_checkpoint()
         if self.cfg.stop_after:
             what = f"stopped after {self.cfg.stop_after}"
             if self.cfg.stop_after == "export":
@@ -159,6 +159,11 @@ class _Run:
         calib, evalset = run.value("data:calib"), run.value("data:eval")
         record["data"] = {"calib": {"fingerprint": calib.fingerprint, **calib.info},
                           "eval": {"fingerprint": evalset.fingerprint, **evalset.info}}
+        if any(s.name == f"evaluate:{ctx.engine.name}" for s in self.steps) and cfg.stop_after is None:
+            # a gate this text cannot pass: exit 2 now, before calibration (the data stage has tokenized it)
+            for line in gate_checks.check_evaluation_text(cfg.gate, ctx.precision.name, evalset,
+                                                          cfg.eval.max_windows):
+                log.warning("warning: %s", line)
         if ctx.engine.runs != "model" and not ctx.external_checkpoint:  # made elsewhere: not our calibration
             self.data_warnings = _calibration_overlap(cfg, calib, evalset, record)
         self.provenance = {"model_fingerprint": ref.fingerprint, "eval_fingerprint": evalset.fingerprint,
@@ -171,12 +176,18 @@ class _Run:
             record["recipe"] = recipe
         return ref
 
+    def place_checkpoint(self) -> None:
+        """RUN/checkpoint: the export this run judged, inside the run directory (rundir.place_checkpoint)."""
+        how = rundir.place_checkpoint(self.run_dir / "checkpoint", self.executor.values["export"].path,
+                                      self.cfg.run_checkpoint)
+        self.record["checkpoint"] = {"path": str(self.run_dir / "checkpoint"), "placed": how}
+
     def audit_stopped(self, report, ref) -> RunResult:
         """The checkpoint's audit found an error: its reports, nothing evaluated, exit 1."""
         from quantlab.report.audit import write_audit_reports
 
         self.record["artifacts"] = _artifacts(self.executor)
-        link(self.run_dir / "checkpoint", self.executor.values["export"].path)
+        self.place_checkpoint()
         write_audit_reports(self.run_dir, report, ref.name, self.ctx.precision.name, self.cfg.kv_cache.dtype)
         first = report.errors[0]
         return self.finish(EXIT_GATE_FAILED, f"the checkpoint audit found {len(report.errors)} error(s), first "
@@ -195,7 +206,9 @@ class _Run:
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
         verdict = gate_checks.verdict(cfg.gate, thresholds, result.checks, result.design, result.look,
                                       result.windows, result.metrics, self.provenance)
-        verdict["warnings"] = self.data_warnings + result.warnings + verdict["warnings"]  # the text's, then the gate's
+        verdict["evidence"] = weak_evidence(verdict, self.calibration_tokens(), result.checks)
+        verdict["warnings"] = (verdict["evidence"] + self.data_warnings + result.warnings + verdict["warnings"]
+                               + within_numerics(result.checks, result.numerics))
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
         doc["speed"] = self.speed()
@@ -206,10 +219,22 @@ class _Run:
         print(documents.console_table(doc))
         code = EXIT_OK if verdict["passed"] else EXIT_GATE_FAILED
         m = result.metrics
+        weak = f" on weak evidence ({'; '.join(e.split(':')[0] for e in verdict['evidence'])})" \
+            if verdict["evidence"] else ""
+        moved = documents.machine_dependent(doc)
+        digits = ("; machine-dependent: " + ", ".join(f"{documents.PRINTED[k][0]} ±{v:.1g}" for k, v in moved.items())
+                  if moved else "")
         what = (f"{ctx.precision.name} kv={cfg.kv_cache.dtype} on {ref.name}: "
-                f"{'PASS' if verdict['passed'] else 'FAIL'} (top-1 {m['top1_agreement']['value']:.3f}, ppl ratio "
-                f"{m['ppl_ratio']['value']:.3f}, KL {m['kl_mean']['value']:.4f})")
+                f"{'PASS' if verdict['passed'] else 'FAIL'}{weak} (top-1 {m['top1_agreement']['value']:.3f}, ppl "
+                f"ratio {m['ppl_ratio']['value']:.3f}, KL {m['kl_mean']['value']:.4f}{digits})")
         return self.finish(code, what, doc)
+
+    def calibration_tokens(self) -> int | None:
+        """Tokens this run calibrated on (None: it calibrated nothing, e.g. a checkpoint made elsewhere)."""
+        if self.ctx.engine.runs == "model" or self.ctx.external_checkpoint or not self.executor.has("quantize"):
+            return None
+        calib = self.executor.value("data:calib")
+        return int(calib.num_windows * calib.seq_len)
 
     def speed(self) -> dict:
         """metrics.json's speed section: on a GPU, the checkpoint's decode / prefill speed and memory against the
@@ -267,6 +292,48 @@ class _Run:
         self.record["stage_seconds"] = run.seconds
         self.record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
         return finish(self.run_dir, self.record, self.start, code, what, doc)
+
+
+BLIND_SHARE_WEAK = 0.10  # a verdict blind to faults in more than this share of the text is weak evidence
+CALIB_TOKENS_WEAK = 8192  # fewer calibration tokens (ModelOpt's examples use 512 x 512 = 262k) is weak evidence
+DOCUMENTS_WEAK = 5  # fewer documents among the windows: intervals over 1-3 degrees of freedom
+
+
+def weak_evidence(verdict: dict, calib_tokens: int | None, checks) -> list[str]:
+    """What makes a verdict weak though every check decided: few windows (a blind share over BLIND_SHARE_WEAK), few
+    documents, a tiny calibration. Each a warning in the verdict box, metrics.json gate.evidence, and the exit line
+    (its words up to the colon)."""
+    design, out = verdict.get("design") or {}, []
+    blind, used = design.get("blind_share"), design.get("windows_used")
+    if blind is not None and blind > BLIND_SHARE_WEAK:
+        out.append(f"{used} evaluation windows, {blind:.0%} blind share: a fault confined to less than {blind:.0%} of "
+                   "the text is absent from all of them with probability above alpha, so this verdict says nothing "
+                   "about it (evaluate more text: eval.max_windows, eval.path)")
+    docs = max((c.clusters or 0 for c in checks), default=0)
+    if 0 < docs < DOCUMENTS_WEAK:
+        out.append(f"{docs} documents: the intervals have documents as clusters, so they rest on {docs} independent "
+                   "units (evaluate text with more documents)")
+    if calib_tokens is not None and calib_tokens < CALIB_TOKENS_WEAK:
+        out.append(f"{calib_tokens} calibration tokens: scales calibrated on so little text may not hold on other "
+                   "text (raise calib.num_samples / calib.seq_len; ModelOpt's examples use 512 x 512)")
+    return out
+
+
+def within_numerics(checks, numerics: dict | None) -> list[str]:
+    """Checks whose margin is within the spread another machine's arithmetic gives their metric: their verdict may
+    differ there (evaluate.numerics_noise)."""
+    spreads = ((numerics or {}).get("metrics") or {}) if (numerics or {}).get("measured") else {}
+    out = []
+    for c in checks:
+        spread = (spreads.get(c.metric) or {}).get("spread")
+        if not spread or c.bucket is not None or len(c.ci) != 2:
+            continue
+        edge = c.ci[1] if c.op == "<=" else c.ci[0]  # the interval's end the decision compares with the threshold
+        if abs(edge - c.threshold) < spread:
+            out.append(f"{c.name}: its interval ends {abs(edge - c.threshold):.2g} from the threshold, within the "
+                       f"spread another machine's arithmetic gives {c.metric} (±{spread:.2g}): the verdict of this "
+                       "check may differ on another CPU or GPU")
+    return out
 
 
 # share of evaluation tokens in runs the calibration windows also hold that is said (with any copied document):

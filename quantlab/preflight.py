@@ -59,6 +59,13 @@ def check_config(cfg: Config) -> None:
     from quantlab.gate.checks import check_gate
 
     check_gate(cfg.gate, precision.name, cfg.eval)  # a typo in a gate fails now, not after the evaluation
+    from quantlab.rundir import CHECKPOINT_MODES
+
+    if cfg.run_checkpoint not in CHECKPOINT_MODES:
+        raise QuantlabError(f"run_checkpoint={cfg.run_checkpoint!r} is not one of {', '.join(CHECKPOINT_MODES)}",
+                            fix="set run_checkpoint=hardlink (the default: the checkpoint's files hard-linked into "
+                                "the run directory, copied across filesystems), copy, or symlink (a link into the "
+                                "cache)")
     if cfg.stop_after is not None and cfg.stop_after not in STAGES:
         raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
 

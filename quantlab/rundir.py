@@ -7,6 +7,7 @@ Both writers use it: a configuration run (quantlab.pipeline) and a search (quant
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,43 @@ REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.js
 SEARCH_FILES = ("search.json", "frontier.png", "winner", "evals")
 RUN_JSON = "run.json"
 STATUS = "status.json"  # a CLI job's exit code and error, written by quantlab.cli into its run directory
+LOCK = ".quantlab.lock"  # held while a run writes its directory (quantlab.rundir.claim)
+HOLDER = ".quantlab.holder.json"  # who holds it: pid, host, command, start time
+
+
+class RunDirBusy(QuantlabError):
+    """Another run is writing this run directory: this run is refused before it writes anything there."""
+
+
+@contextlib.contextmanager
+def claim(run_dir: Path, argv: list[str] | None = None):
+    """Hold run_dir for one run: an OS file lock (released when the process ends, however it ends) and a note of the
+    holder. A second run into a held directory raises RunDirBusy (exit 2) naming the holder, before it writes
+    anything: two runs 1 s apart into one hydra.run.dir used to both exit 0, the first one's final line pointing at
+    the second one's reports."""
+    import socket
+
+    from filelock import FileLock, Timeout
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(run_dir / LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        holder, _ = read_record(run_dir / HOLDER, warn=False)
+        who = (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('started_at') or 0))}: "
+               f"python -m quantlab {' '.join(holder.get('argv') or [])}") if holder else "another process"
+        raise RunDirBusy(f"the run directory {run_dir} is being written by another quantlab run ({who})",
+                         fix="give this run a directory of its own (hydra.run.dir=..., or leave it out for a new "
+                             "time-stamped one), or wait until that run ends") from None
+    try:
+        write_json_atomic(run_dir / HOLDER, {"pid": os.getpid(), "host": socket.gethostname(),
+                                             "argv": list(argv or []), "started_at": round(time.time(), 3)})
+        yield run_dir
+    finally:
+        (run_dir / HOLDER).unlink(missing_ok=True)
+        lock.release()
 
 
 @dataclass
@@ -74,6 +112,48 @@ def link(path: Path, target: Path) -> None:
         tmp.unlink()
     os.symlink(target, tmp)
     os.replace(tmp, path)
+
+
+CHECKPOINT_MODES = ("hardlink", "copy", "symlink")
+
+
+def place_checkpoint(path: Path, source: Path, mode: str = "hardlink") -> str:
+    """The checkpoint a run judged, placed in its run directory as path: "hardlink" (every file hard-linked to the
+    cache's copy where both are on one filesystem, copied where not: no extra disk in the usual case), "copy", or
+    "symlink" (one link into the cache: a copied or uploaded run directory, or a pruned cache, leaves it dangling).
+    Built beside path and renamed into place; what it did ("hardlink", "copy" or "symlink")."""
+    if mode not in CHECKPOINT_MODES:
+        raise QuantlabError(f"run_checkpoint={mode} is not one of {', '.join(CHECKPOINT_MODES)}",
+                            fix="set run_checkpoint=hardlink (the default), copy or symlink")
+    source = Path(source).resolve()
+    if mode == "symlink":
+        link(path, source)
+        return mode
+    tmp = path.with_name(f".{path.name}.tmp")
+    _remove(tmp)
+    did = "hardlink" if mode == "hardlink" else "copy"
+
+    def place(src: str, dst: str) -> None:
+        nonlocal did
+        if mode == "hardlink":
+            try:
+                os.link(src, dst)
+                return
+            except OSError:  # another filesystem, or links not allowed: copy
+                did = "copy"
+        shutil.copy2(src, dst)
+
+    shutil.copytree(source, tmp, copy_function=place, symlinks=False)
+    _remove(path)
+    os.replace(tmp, path)
+    return did
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def read_record(path: Path, warn: bool = True) -> tuple[dict | None, str | None]:

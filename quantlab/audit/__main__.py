@@ -85,14 +85,20 @@ def resolve_target(target: str) -> tuple[str, str | None]:
     directory without a checkpoint (it stopped before exporting, or exported nothing) is exit 2 with the fix."""
     path = Path(target).expanduser()
     record_path = path / RUN_JSON
-    if not record_path.is_file() or (path / "hf_quant_config.json").is_file():
+    if (path / "hf_quant_config.json").is_file():  # a checkpoint; RUN/checkpoint: its run says the reference
+        if path.name == "checkpoint" and (path.parent / RUN_JSON).is_file():
+            record, _ = read_record(path.parent / RUN_JSON)
+            reference = (((record or {}).get("artifacts") or {}).get("prepare") or {}).get("path")
+            return target, reference if reference and Path(reference).is_dir() else None
+        return target, None
+    if not record_path.is_file():
         return target, None
     record, problem = read_record(record_path)
     artifacts = (record or {}).get("artifacts") or {}
     export = (artifacts.get("export") or {}).get("path")
     reference = (artifacts.get("prepare") or {}).get("path")
     link = path / "checkpoint"
-    checkpoint = export if export and Path(export).is_dir() else (str(link.resolve()) if link.is_dir() else None)
+    checkpoint = str(link.resolve()) if link.is_dir() else (export if export and Path(export).is_dir() else None)
     if checkpoint is None:
         why = (f"its run.json is {problem}" if problem else
                f"the run stopped before exporting ({_why_stopped(record)})" if record.get("exit_code") not in (0, 1)

@@ -203,15 +203,20 @@ def check_gate(cfg: GateConfig, precision: str, eval_cfg=None) -> None:
     merged = thresholds_for(cfg, precision, eval_cfg.seq_len if eval_cfg is not None else None)
     if eval_cfg is not None and eval_cfg.max_windows is not None:
         check_tails(merged, stats.make_design(eval_cfg.max_windows, st.look_windows, st.alpha, st.beta,
-                                              st.sequential, st.spending, st.gamma), "eval.max_windows")
+                                              st.sequential, st.spending, st.gamma),
+                    f"eval.max_windows={eval_cfg.max_windows}", threshold_sources(cfg, precision),
+                    seq_len=eval_cfg.seq_len)
     if not merged and not cfg.baseline:
         raise QuantlabError("the gate has no checks: no thresholds and no baseline, so it could only ever pass",
                             fix="use gate=default or gate=strict, or add gate.thresholds.METRIC.min/max")
 
 
-def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: str) -> None:
+def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: str, sources: dict | None = None,
+                available: int | None = None, seq_len: int | None = None) -> None:
     """Tail checks that no count can pass at any look of the design could only fail: exit 2 naming every one of them
-    with the windows it needs (about 3 / max with none beyond the bound, more with alpha spent over looks)."""
+    with the windows it needs (about 3 / max with none beyond the bound, more with alpha spent over looks), and the
+    exact overrides that drop or relax each (sources: check -> the config paths that set it; available: the windows
+    the evaluation text gives, so that raising eval.max_windows is offered only where the text has them)."""
     blocked = []
     for name, th in thresholds.items():
         if metrics.METRICS[name].tail_of is None or th.max is None:
@@ -227,11 +232,55 @@ def check_tails(thresholds: dict[str, Threshold], design: stats.Design, what: st
     names = ", ".join(name for name, _, _ in blocked)
     reasons = "; ".join(f"{name}: showing that fewer than {th.max:.0%} of windows are beyond {th.above:g} takes "
                         f"{need} windows with none beyond it" for name, th, need in blocked)
-    need = max(n for _, _, n in blocked if n is not None) if any(n is not None for _, _, n in blocked) else None
+    need = max((n for _, _, n in blocked if n is not None), default=None)
     raise QuantlabError(f"gate {names} can never pass with {design.cap} windows ({what}): {reasons}",
-                        fix=f"raise eval.max_windows to {need} or more (with that much eval text), raise the max of "
-                            f"{names}, or drop {'them' if len(blocked) > 1 else 'it'} (gate.thresholds and "
-                            "gate.per_precision entries)")
+                        fix=_tail_fix(blocked, design, need, sources or {}, available, seq_len))
+
+
+def _tail_fix(blocked: list, design: stats.Design, need: int | None, sources: dict, available: int | None,
+              seq_len: int | None) -> str:
+    """The three ways out of a tail check the text cannot pass, each as the exact overrides to type."""
+    paths = [p for name, _, _ in blocked for p in sources.get(name, [f"gate.thresholds.{name}"])]
+    relax = []
+    for name, th, _ in blocked:
+        share = next((m / 100 for m in range(int(th.max * 100) + 1, 100) if max(stats.tail_boundaries(
+            design.looks, m / 100, design.alpha, design.kind, design.gamma)) >= 0), None)
+        if share is not None:
+            relax += [f"{p}.max={share:g}" for p in sources.get(name, [f"gate.thresholds.{name}"])]
+    ways = [f"drop them: {' '.join('~' + p for p in paths)} (the gate then judges the means only: a candidate "
+            "broken on a few percent of the text can pass)"]
+    if relax:
+        ways.append(f"or relax them to the smallest share {design.cap} windows can show: {' '.join(relax)} (a "
+                    "candidate broken on that share of the text passes)")
+    if need is not None:
+        if available is not None and available >= need:
+            ways.append(f"or evaluate more of the text: eval.max_windows={need}")
+        else:
+            more = f" of {seq_len} tokens" if seq_len else ""
+            ways.append(f"or evaluate on a longer text: eval.path=FILE giving at least {need} windows{more} (this "
+                        f"one gives {available if available is not None else design.cap})")
+    return "; ".join(ways)
+
+
+def threshold_sources(cfg: GateConfig, precision: str) -> dict[str, list[str]]:
+    """Each check that applies to the precision -> the config paths that set it (a per-precision entry overrides the
+    common one, so dropping a check takes both)."""
+    out: dict[str, list[str]] = {}
+    for name in cfg.thresholds:
+        out.setdefault(name, []).append(f"gate.thresholds.{name}")
+    for name in cfg.per_precision.get(precision, {}):
+        out.setdefault(name, []).append(f"gate.per_precision.{precision}.{name}")
+    return out
+
+
+def check_evaluation_text(cfg: GateConfig, precision: str, evalset, max_windows: int | None) -> list[str]:
+    """What the evaluation text decides of the gate before any compute (the data stage tokenizes it before
+    calibration): a tail check it cannot pass and a single document are exit 2; few documents a warning."""
+    thresholds = thresholds_for(cfg, precision, evalset.seq_len)
+    design = with_tails(design_for(cfg, evalset.num_windows, max_windows), thresholds)
+    check_tails(thresholds, design, f"the evaluation text gives {evalset.num_windows}",
+                threshold_sources(cfg, precision), evalset.num_windows, evalset.seq_len)
+    return check_documents(evalset.docs, design)
 
 
 def with_tails(design: stats.Design, thresholds: dict[str, Threshold]) -> stats.Design:
@@ -319,6 +368,10 @@ def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design
         value, ci = f(d.value), [f(d.lo), f(d.hi)]
     margin = (value - bound) if op == ">=" else (bound - value)
     level = 1 - 2 * stats._phi(-d.boundary) if not test.binary and math.isfinite(d.boundary) else None
+    mde, mde_unit = float(d.mde), test.mde_unit
+    if test.to_metric is not None and math.isfinite(mde):  # tested on a log scale: the MDE in the metric's units
+        inside = test.threshold + d.mde if test.higher_is_better else test.threshold - d.mde
+        mde, mde_unit = abs(bound - f(inside)), metrics.METRICS[name].unit or "ratio"
     detail = (f"{d.verdict} at {d.n} windows: interval [{ci[0]:.4g}, {ci[1]:.4g}] vs {op} {bound:g}"
               + (f" (tested as {test.mde_unit} <= {test.threshold:g}: {d.value:.4g} [{d.lo:.4g}, {d.hi:.4g}])"
                  if test.value is not None else ""))
@@ -334,7 +387,7 @@ def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design
                  (f" (windows with {metrics.METRICS[name].tail_words} above {th.above:g})" if test.tail is not None
                   else ""), "threshold", name, float(value),
                  float(bound), op, d.verdict == "pass", float(margin), d.verdict, [float(ci[0]), float(ci[1])],
-                 level, float(d.mde), test.mde_unit, d.n, bucket, detail, summary.get("clusters"), summary.get("icc"),
+                 level, mde, mde_unit, d.n, bucket, detail, summary.get("clusters"), summary.get("icc"),
                  summary.get("design_effect"), summary.get("df"), where)
 
 
@@ -417,7 +470,7 @@ def power_warnings(checks: list[Check]) -> list[str]:
         if spec.ideal is None or c.mde is None or not math.isfinite(c.mde) or spec.quantile is not None:
             continue
         ideal, bound = spec.ideal, c.threshold
-        distance = abs(math.log(bound) - math.log(ideal)) if spec.log_scale else abs(bound - ideal)
+        distance = abs(bound - ideal)  # the MDE is in the metric's units (log-scale tests converted in _one)
         if c.mde > distance and c.verdict == "undecided":  # a decided FAIL needed no more power to be seen
             out.append(f"{c.name}: with {c.n} windows the smallest detectable distance from the threshold is "
                        f"{c.mde:.3g} {c.mde_unit}, more than the distance from the ideal value to the threshold "

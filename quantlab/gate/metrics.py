@@ -283,8 +283,9 @@ def distribution(values: np.ndarray, scale: float = 1.0) -> dict:
 
 
 def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> dict:
-    """Window arrays -> every metric with its value and a 95% interval over windows (paired: the per-window
-    differences of candidate and reference), the behaviour panel and the per-bucket metrics."""
+    """Window arrays -> every metric with its value and a 95% interval (paired: the per-window differences of
+    candidate and reference; the windows' documents as clusters, as the gate's intervals: stats.clustered_interval;
+    percentiles by a bootstrap over windows)."""
     from quantlab.gate import stats
 
     out: dict[str, dict] = {}
@@ -300,11 +301,16 @@ def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> 
 
     nll_r, nll_c = w.per_window("nll_ref"), w.per_window("nll_cand")
     dn = nll_c - nll_r
-    _, lo, hi = stats.t_interval(nll_r, confidence)
+    clusters = w.clusters()
+
+    def ci(values):
+        return stats.clustered_interval(values, clusters, confidence)
+
+    _, lo, hi = ci(nll_r)
     put("ppl_reference", math.exp(nll_r.mean()), (math.exp(lo), math.exp(hi)))
-    _, lo, hi = stats.t_interval(nll_c, confidence)
+    _, lo, hi = ci(nll_c)
     put("ppl_candidate", math.exp(nll_c.mean()), (math.exp(lo), math.exp(hi)))
-    mean, lo, hi = stats.t_interval(dn, confidence)
+    mean, lo, hi = ci(dn)
     put("ppl_ratio", math.exp(mean), (math.exp(lo), math.exp(hi)))
     put("dnll_mean", mean, (lo, hi))
     keys = [("top1_agreement", "agree"), ("kl_mean", "kl"), ("dp_true_mean", "dp_true"), ("flip_rate", "flip_rate"),
@@ -312,7 +318,7 @@ def summarize(w: Windows, gen: dict | None = None, confidence: float = 0.95) -> 
     if "router_agree" in w.a:
         keys.append(("router_topk_agreement", "router_agree"))
     for name, key in keys:
-        mean, lo, hi = stats.t_interval(w.per_window(key), confidence)
+        mean, lo, hi = ci(w.per_window(key))
         put(name, mean, (lo, hi))
     kl_rows = list(w.a["kl"].astype(np.float64))
     for name in ("kl_median", "kl_p90", "kl_p99", "kl_p999"):

@@ -49,6 +49,23 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def clustered_interval(values, clusters: Clusters | None, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, lo, hi) of a two-sided interval of the mean with the windows' documents as clusters (the gate's CR2
+    interval with its Bell-McCaffrey degrees of freedom and skew correction, at `confidence`); the t interval of
+    `t_interval` when every window is its own document. Point-valued when there is no spread."""
+    from scipy import stats
+
+    v = np.asarray(values, dtype=np.float64)
+    if clusters is None or clusters.singletons or clusters.n != v.size:
+        return t_interval(v, confidence)
+    if clusters.g < 2:
+        mean = float(v.mean())
+        return mean, -math.inf, math.inf
+    c = float(stats.t.ppf(0.5 + confidence / 2, max(clusters.df, 1e-3)))
+    mean, lo, hi, _ = interval(v, c, clusters)
+    return float(mean), float(lo), float(hi)
+
+
 def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """Score interval for a proportion; stays inside [0, 1] and is sane for small n."""
     if n == 0:

@@ -38,7 +38,63 @@ def metrics_document(run: dict, result, gate: dict, provenance: dict, attributio
                        "positions": result.positions, "generation": result.generation, "provenance": provenance}
     if attribution:
         doc["attribution"] = attribution
+    shown_intervals(doc["metrics"], gate)
+    if getattr(result, "numerics", None):
+        doc["numerics"] = result.numerics
     return doc
+
+
+# the digits the final line and the reports print of each headline metric, and their names there
+PRINTED = {"top1_agreement": ("top-1", 3), "ppl_ratio": ("ppl ratio", 3), "kl_mean": ("KL", 4)}
+
+
+def machine_dependent(doc: dict) -> dict[str, float]:
+    """Headline metric -> the spread another machine's arithmetic gives it (metrics.json "numerics"), for those
+    whose printed last digit that spread can change (spread at least half a unit of it)."""
+    num = doc.get("numerics") or {}
+    if not num.get("measured"):
+        return {}
+    out = {}
+    for name, (_, digits) in PRINTED.items():
+        spread = (num.get("metrics") or {}).get(name, {}).get("spread")
+        if spread is not None and spread >= 0.5 * 10 ** -digits:
+            out[name] = spread
+    return out
+
+
+def numerics_note(doc: dict) -> str:
+    """One sentence on which printed digits depend on the machine, and why; "" when none do or it was not
+    measured."""
+    num, moved = doc.get("numerics") or {}, machine_dependent(doc)
+    if not num.get("measured"):
+        return ""
+    if not moved:
+        return (f"Numerics: last-bit perturbations of every linear layer's input ({num['windows']} windows evaluated "
+                "again) move no printed digit: these figures are the same on another CPU or GPU arithmetic.")
+    parts = ", ".join(f"{PRINTED[k][0]} ±{v:.2g}" for k, v in moved.items())
+    return (f"Numerics: another machine's arithmetic moves {parts} ({num['windows']} windows evaluated again with "
+            "last-bit perturbations of every linear layer's input: quantizing activations turns the last-bit "
+            "differences of other matrix kernels into other roundings); printed digits finer than that depend on "
+            "the CPU or GPU that ran them, the verdict does not unless a margin is that small.")
+
+
+def shown_intervals(metrics: dict, gate: dict) -> None:
+    """One interval per metric, the one every report and the console show (metrics[name]["interval"], with
+    "interval_basis"): a gated metric's is the interval its gate check decided with (documents as clusters, at the
+    look's spent level); any other metric's its 95% interval with documents as clusters ("ci95")."""
+    for c in gate.get("checks", []):
+        m = metrics.get(c.get("metric"))
+        if m is None or c.get("kind") != "threshold" or c.get("bucket") or len(c.get("ci") or []) != 2:
+            continue
+        if "interval" in m:  # a metric with two thresholds keeps its first check's interval
+            continue
+        level = f"{c['level']:.1%} two-sided" if c.get("level") else "exact"
+        docs = f", {c['clusters']} documents as clusters" if c.get("clusters") else ""
+        m["interval"] = [float(c["ci"][0]), float(c["ci"][1])]
+        m["interval_basis"] = f"the gate's interval ({level}{docs}, {c.get('n', 0)} windows)"
+    for m in metrics.values():
+        if isinstance(m, dict) and "interval" not in m and m.get("ci95"):
+            m["interval"], m["interval_basis"] = list(m["ci95"]), "95%, documents as clusters"
 
 
 def write_metrics(run_dir: Path, doc: dict) -> Path:
@@ -92,10 +148,10 @@ def check_line(c: dict) -> str:
 def console_table(doc: dict) -> str:
     """The metrics table printed at the end of a run."""
     m = doc["metrics"]
-    rows = [("metric", "value", "95% CI")]
+    rows = [("metric", "value", "interval (gate's where gated; else 95%; documents as clusters)")]
     for name in TABLE_METRICS:
         if name in m:
-            ci = m[name].get("ci95")
+            ci = m[name].get("interval")
             rows.append((name, fmt(m[name]["value"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
@@ -114,4 +170,7 @@ def console_table(doc: dict) -> str:
             lines.append(f"         {c['detail']}")
     for w in gate["warnings"]:
         lines.append(f"  [warn] {w}")
+    note = numerics_note(doc)
+    if note:
+        lines.append(f"  {note}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 
 from quantlab.artifacts import write_text_atomic
 from quantlab.gate.metrics import METRICS
-from quantlab.report.documents import TABLE_METRICS, fmt
+from quantlab.report.documents import TABLE_METRICS, fmt, numerics_note
 
 log = logging.getLogger("quantlab")
 
@@ -98,7 +98,8 @@ def context(doc: dict, plots: list[tuple[str, str | None]] = ()) -> dict:
             "design": gate.get("design"), "behaviour": doc.get("behaviour"), "buckets": doc.get("buckets"),
             "attribution": doc.get("attribution"), "generation": doc.get("generation"), "speed": doc.get("speed"),
             "table_metrics": TABLE_METRICS, "definitions": {k: v.definition for k, v in METRICS.items()},
-            "argv": " ".join(shell_quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots)}
+            "argv": " ".join(shell_quote(a) for a in doc["provenance"].get("argv", [])), "plots": list(plots),
+            "numerics_note": numerics_note(doc)}
 
 
 def write_run_reports(run_dir: Path, doc: dict, kl_values, weight_rows: list[dict]) -> dict:

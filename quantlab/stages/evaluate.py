@@ -14,6 +14,7 @@ Windows are taken in blocks of gate.statistical.look_windows (one block per look
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ class EvalResult:
     seconds: float = 0.0
     computed_now: bool = False  # some block was evaluated in this run (not read from the store)
     warnings: list = field(default_factory=list)  # about the evaluation text (quantlab.gate.checks.check_documents)
+    numerics: dict | None = None  # how far another CPU's arithmetic moves the metrics (numerics_noise)
 
 
 def _oom_guard(fn, batch_size: int):
@@ -404,6 +406,98 @@ def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tok
     return result
 
 
+# ------------------------------------------------------------------------------------------------ numerics
+NUMERICS_EPS = 2.0 ** -21  # relative size of the perturbation: a few float32 ulps, what another kernel's sums move
+NUMERICS_METRICS = {"top1_agreement": "agree", "ppl_ratio": "dnll", "kl_mean": "kl"}
+
+
+@contextlib.contextmanager
+def perturbed_inputs(model, eps: float = NUMERICS_EPS, seed: int = 0):
+    """Every linear layer's input times (1 + eps * s_k), s_k a seeded sign per input channel: the last-bit
+    differences another CPU's (or GPU's) matrix kernels make, in one place. A quantizer of activations turns some of
+    them into a different rounding, and the metrics move by what the run's printed digits cannot hold."""
+    import torch
+
+    handles, gen = [], torch.Generator().manual_seed(seed)
+
+    def hook(module, args):
+        x = args[0]
+        if not torch.is_floating_point(x):
+            return None
+        signs = module._ql_signs
+        if signs.device != x.device or signs.dtype != x.dtype:
+            signs = module._ql_signs = signs.to(x.device, x.dtype)
+        return (x * signs, *args[1:])
+
+    for module in model.modules():
+        width = getattr(module, "in_features", None)
+        if not isinstance(width, int) or not (isinstance(module, torch.nn.Linear) or type(module).__name__.endswith(
+                "Linear")):
+            continue
+        module._ql_signs = 1 + eps * (torch.randint(0, 2, (width,), generator=gen).float() * 2 - 1)
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        yield len(handles)
+    finally:
+        for h in handles:
+            h.remove()
+        for module in model.modules():
+            if hasattr(module, "_ql_signs"):
+                del module._ql_signs
+
+
+def numerics_noise(blocks: CandidateBlocks, n_used: int) -> dict:
+    """How much of each headline metric is arithmetic, not quantization: block 0's windows evaluated again with
+    perturbed_inputs, the per-window differences' spread s, and the spread of the full run's mean another machine
+    would print, 2 s / sqrt(n_used) (two standard deviations: windows differ independently in rounding). Cached
+    like every block. {"measured": False, "why": ...} where the engine has no torch model to perturb."""
+    from safetensors.torch import load_file, save_file
+
+    lo, hi = blocks.ref.span(0)
+
+    def build(out: Path) -> Built:
+        engine = blocks.engine or blocks.make_engine()
+        blocks.engine = engine
+        target = getattr(engine, "model", None)
+        if target is None:
+            raise _NoModel()
+        start = time.time()
+        with perturbed_inputs(target) as n_layers:
+            arrays = compare_block(engine, blocks.ref.evalset.tokens[lo:hi], blocks.ref.block(0), blocks.ref.head(),
+                                   blocks.ref.cfg)
+        save_file({k: v.contiguous() for k, v in arrays.items() if k in POSITION_FIELDS}, str(out / CAND_FILE))
+        return Built({"layers": n_layers, "windows": hi - lo, "seconds": round(time.time() - start, 2)})
+
+    try:
+        art, _ = blocks.ref.store.get_or_build("evaluate", blocks.ref.store.key(
+            "evaluate", numerics=NUMERICS_EPS, block=blocks.key(0)), build, {"block": [lo, hi]},
+            describe=f"{blocks.spec.name} windows {lo + 1}-{hi} with last-bit perturbations")
+    except _NoModel:
+        return {"measured": False, "why": f"engine {blocks.spec.name} has no torch model to perturb"}
+    base, moved = blocks.block(0), load_file(str(art.path / CAND_FILE))
+    out = {"measured": True, "eps": NUMERICS_EPS, "windows": hi - lo, "n_used": n_used, "metrics": {}}
+    for name, key in NUMERICS_METRICS.items():
+        a, b = (_per_window(x, key) for x in (base, moved))
+        s = float(np.std(a - b, ddof=1)) if a.size > 1 else 0.0
+        spread = 2 * s / math.sqrt(max(n_used, 1))
+        if name == "ppl_ratio":  # per-window dNLL: the ratio moves by exp(mean) * spread
+            spread *= math.exp(float(np.mean(a)))
+        out["metrics"][name] = {"spread": spread, "per_window_sd": s}
+    return out
+
+
+class _NoModel(Exception):
+    pass
+
+
+def _per_window(arrays: dict, key: str) -> np.ndarray:
+    if key == "agree":
+        return (arrays["argmax_cand"] == arrays["argmax_ref"]).double().mean(1).numpy()
+    if key == "dnll":
+        return (arrays["nll_cand"].double() - arrays["nll_ref"].double()).mean(1).numpy()
+    return arrays[key].double().mean(1).numpy()
+
+
 # ------------------------------------------------------------------------------------------ attribution
 def attribution(results: dict, engine: str) -> dict:
     """Split the loss three ways: quantization itself (HF -> fake-quant), export (fake-quant -> fake-quant with
@@ -505,11 +599,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         if is_main:
             design = gate_checks.with_tails(design, thresholds)
         warnings = []
-        if is_main:  # exit 2 before any evaluation: one document, or a tail check this text cannot pass
-            gate_checks.check_tails(thresholds, design, f"the evaluation text gives {evalset.num_windows}")
-            warnings = gate_checks.check_documents(evalset.docs, design)
-        for line in warnings:
-            log.warning("warning: %s", line)
+        if is_main:  # exit 2 before any evaluation (the pipeline checked it before calibration already)
+            warnings = gate_checks.check_evaluation_text(cfg.gate, ctx.precision.name, evalset, cfg.eval.max_windows)
         fixed = None if is_main else r.value(main).design.looks[r.value(main).look]
         log.info("evaluate: %s vs reference, looks of %d windows up to %d x %d tokens", spec.name,
                  cfg.gate.statistical.look_windows, design.cap, evalset.seq_len)
@@ -517,6 +608,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         try:
             result = run_sequential(cand, thresholds, design, _prompts(evalset, cfg.eval),
                                     load_tokenizer(r.value("prepare")), fixed)
+            if is_main and cfg.eval.numerics:
+                result.numerics = numerics_noise(cand, result.design.looks[result.look])
         finally:
             cand.close()
         result.warnings = warnings
