@@ -2,7 +2,9 @@
 other, portable run directories, refusals before compute, weak evidence said, one interval per metric."""
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 from conftest import FAST, cli_env, read_json, run_cli, start_module
 
@@ -39,3 +41,136 @@ def test_a_second_run_into_a_held_run_dir_is_refused(tiny_llama, tmp_path):
     again = run_cli(["+precision=fp8", *common], cwd=tmp_path, cache=cache)
     assert again.returncode == 0, _show(again)
     assert list((run / "previous").iterdir())
+
+
+# ------------------------------------------------------------------------------ refused before compute, with the fix
+def _short_text(path: Path, paragraphs: int = 6) -> Path:
+    from quantlab.stages.data import pydoc_topics
+
+    topics = pydoc_topics()
+    path.write_text("\n\n".join(topics[k].strip()[:400] for k in sorted(topics)[-paragraphs:]))
+    return path
+
+
+def test_a_gate_the_text_cannot_pass_is_refused_before_calibration_and_the_fix_works(tiny_llama, tmp_path):
+    """A short eval text (a few windows) under the default tail checks: exit 2 before any calibration, naming the
+    exact overrides; the first of them, typed as shown, lets the same run go on."""
+    text = _short_text(tmp_path / "short.txt")
+    fast = [a for a in FAST if not a.startswith("~gate.") and not a.startswith("eval.max_windows")]
+    args = ["+precision=fp8", f"model.path={tiny_llama}", f"eval.path={text}", *fast]
+    cache = tmp_path / "c"
+    res = run_cli(args, cwd=tmp_path, cache=cache)
+    assert res.returncode == 2, _show(res)
+    err = res.stderr
+    assert "can never pass with" in err and "the evaluation text gives" in err and "Traceback" not in err
+    assert "calibrating" not in res.stdout + err and not (cache / "quantize").exists()  # before calibration
+    assert "eval.max_windows=" not in err  # the cap is not what limits it: the text is short
+    drop = re.search(r"drop them: ((?:~\S+ ?)+)", err)
+    assert drop, err
+    assert "~gate.thresholds.kl_tail" in drop.group(1) and "eval.path=FILE giving at least" in err
+    again = run_cli([*args, *drop.group(1).split()], cwd=tmp_path, cache=cache)
+    assert again.returncode in (0, 1), _show(again)
+    assert "weak evidence" in again.stdout.splitlines()[-1]  # a handful of windows is said where it is read
+
+
+def test_weak_evidence_is_in_the_verdict_box_and_the_exit_line(tiny_llama, tmp_path):
+    """PASS on 8 windows and 256 calibration tokens: a warning for each in metrics.json gate.evidence, report.md's
+    verdict section (before the details) and the final line."""
+    res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "hydra.run.dir=outputs/w"], cwd=tmp_path,
+                  cache=tmp_path / "c")
+    assert res.returncode == 0, _show(res)
+    last = res.stdout.strip().splitlines()[-1]
+    assert "PASS on weak evidence" in last and "blind share" in last and "calibration tokens" in last
+    doc = read_json(tmp_path / "outputs" / "w" / "metrics.json")
+    evidence = doc["gate"]["evidence"]
+    assert any("blind share" in e for e in evidence) and any("calibration tokens" in e for e in evidence)
+    assert all(e in doc["gate"]["warnings"] for e in evidence)
+    md = (tmp_path / "outputs" / "w" / "report.md").read_text()
+    assert md.index("blind share") < md.index("### Metrics")
+
+
+# ----------------------------------------------------------------------------------------- one interval per metric
+def test_one_interval_per_metric_the_gates(tiny_llama, tmp_path):
+    """The metrics table shows, for a gated metric, the interval its gate check decided with (documents as
+    clusters), in the console and in both reports; ppl_ratio's MDE is a ratio, not nats."""
+    res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "hydra.run.dir=outputs/i"], cwd=tmp_path,
+                  cache=tmp_path / "c")
+    assert res.returncode == 0, _show(res)
+    run = tmp_path / "outputs" / "i"
+    doc = read_json(run / "metrics.json")
+    from quantlab.report.documents import fmt
+
+    for c in doc["gate"]["checks"]:
+        if c["kind"] != "threshold" or c["metric"] not in ("top1_agreement", "ppl_ratio", "kl_mean"):
+            continue
+        m = doc["metrics"][c["metric"]]
+        assert m["interval"] == c["ci"] and "gate" in m["interval_basis"]
+        shown = f"[{fmt(c['ci'][0])}, {fmt(c['ci'][1])}]"
+        table = res.stdout[: res.stdout.index("gate: alpha")]
+        assert re.search(rf"^{c['metric']}\s+\S+\s+{re.escape(shown)}", table, re.M), table
+        assert f"{fmt(c['ci'][0])} – {fmt(c['ci'][1])}" in (run / "report.md").read_text()
+        if c["metric"] == "ppl_ratio":
+            assert c["mde_unit"] == "ratio" and 0 < c["mde"] < 0.5
+    # a metric no check gates keeps a 95% interval over documents
+    assert doc["metrics"]["ppl_reference"]["interval_basis"] == "95%, documents as clusters"
+
+
+# ------------------------------------------------------------------------------------ portable run directories
+def test_the_checkpoint_is_inside_the_run_dir_and_the_audit_finds_its_reference(tiny_llama, tmp_path):
+    """RUN/checkpoint is a directory of files (hard links into the cache: no extra disk), not a link; a copied run
+    directory still holds it after the cache is gone; quantlab.audit RUN/checkpoint finds the run's reference."""
+    import os
+    import shutil
+
+    cache = tmp_path / "c"
+    res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "hydra.run.dir=outputs/p",
+                   "stop_after=export"], cwd=tmp_path, cache=cache)
+    assert res.returncode == 0, _show(res)
+    ckpt = tmp_path / "outputs" / "p" / "checkpoint"
+    assert ckpt.is_dir() and not ckpt.is_symlink()
+    weights = next(ckpt.glob("*.safetensors"))
+    assert weights.stat().st_nlink == 2  # one inode with the cache's copy
+    assert read_json(tmp_path / "outputs" / "p" / "run.json")["checkpoint"]["placed"] == "hardlink"
+    audit = run_module_audit(ckpt, tmp_path)
+    assert audit.returncode == 0 and "checkpoint and reference from the run" in audit.stdout, _show(audit)
+    copy = tmp_path / "artifact"
+    shutil.copytree(tmp_path / "outputs" / "p", copy)
+    shutil.rmtree(cache)
+    assert (copy / "checkpoint" / "config.json").is_file() and os.path.getsize(copy / "checkpoint" / weights.name)
+    bad = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "run_checkpoint=link"], cwd=tmp_path,
+                  cache=cache)
+    assert bad.returncode == 2 and "run_checkpoint" in bad.stderr and "hardlink" in bad.stderr, _show(bad)
+    assert not (cache / "quantize").exists()
+
+
+def run_module_audit(ckpt: Path, cwd: Path):
+    from conftest import run_module
+
+    return run_module("quantlab.audit", [str(ckpt), "--no-canary"], cwd, cli_env())
+
+
+# ------------------------------------------------------------------------------------- results that hold on any CPU
+ISA_SETTINGS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                "baseline x86-64": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+
+
+def test_fragile_decisions_hold_under_two_instruction_sets(tiny_llama, tok_dir, tmp_path):
+    """What made the suite red on another CPU, under two other instruction sets on this one: the test model is
+    the same to the byte (it was 10-40% apart when trained in float32 at the machine's own ISA), and the search's
+    tightest decision - uniform fp8 under a mean-KL bar of 9e-4 - is the same verdict with the same printed
+    figures."""
+    from _builders import pinned
+
+    for mkl in ("AVX2", "SSE4_2"):  # the builder pins ATen's kernels; what another CPU still changes is MKL's
+        rebuilt = pinned("model", tmp_path / f"llama_{mkl}", "llama", tok_dir,
+                         env_extra={"MKL_ENABLE_INSTRUCTIONS": mkl})
+        assert (rebuilt / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()
+    lines = {}
+    for label, env in ISA_SETTINGS.items():
+        res = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "gate.thresholds.top1_agreement.min=0.9",
+                       "gate.thresholds.kl_mean.max=0.0009", f"hydra.run.dir=outputs/{label.split()[0]}"],
+                      cwd=tmp_path, cache=tmp_path / f"c_{label.split()[0]}", env_extra=env)
+        assert res.returncode == 0, _show(res)
+        lines[label] = re.sub(r" in [\d.]+ s -> .*$", "", res.stdout.strip().splitlines()[-1])
+    assert len(set(lines.values())) == 1, lines
+    assert "PASS" in lines["avx2"] and "machine-dependent" not in lines["avx2"]
