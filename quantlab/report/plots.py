@@ -92,26 +92,137 @@ def sqnr_bars(rows: list[dict]) -> str | None:
     return _uri(fig)
 
 
-def pareto(rows: list[dict]) -> str | None:
-    """Quality (ppl ratio, lower is better) vs checkpoint size, Pareto front marked."""
-    pts = [(r["size_bytes"] / 2**20, r["ppl_ratio"], r["label"]) for r in rows
-           if r.get("size_bytes") and r.get("ppl_ratio")]
+MIN_RATIO_SPAN = 0.02  # the perplexity-ratio axis spans at least 2% of the reference's perplexity
+MIN_SPEEDUP_SPAN = 0.1  # the speedup axis spans at least 0.1x
+FRONT_LABEL = "Pareto front (runs above or right of it are dominated)"
+
+
+def _limits(values: list[float], min_span: float, pad: float = 0.08) -> tuple[float, float]:
+    """An axis range over values, at least min_span wide (widened about its middle) and padded by `pad` of its span
+    on each side: points that differ by less than min_span are not spread over the whole axis."""
+    lo, hi = min(values), max(values)
+    if hi - lo < min_span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
+    return lo - pad * (hi - lo), hi + pad * (hi - lo)
+
+
+def _ratio_axis(ax, rows: list[dict]) -> None:
+    """The perplexity-ratio (y) axis: the runs' ratios, their intervals and the reference's 1.0, at least
+    MIN_RATIO_SPAN wide; plain tick labels on both axes (no offset such as "+1" over the ticks)."""
+    values = [1.0] + [r["ppl_ratio"] for r in rows] + [v for r in rows for v in (r.get("ppl_ratio_ci") or [])]
+    ax.set_ylim(*_limits(values, MIN_RATIO_SPAN))
+    ax.ticklabel_format(axis="both", style="plain", useOffset=False)
+
+
+def _ratio_err(row: dict) -> list[list[float]]:
+    """matplotlib's yerr of a run's perplexity ratio: its interval (none: no bar)."""
+    q = row["ppl_ratio"]
+    lo, hi = row.get("ppl_ratio_ci") or [q, q]
+    return [[max(q - lo, 0.0)], [max(hi - q, 0.0)]]
+
+
+def _inside(ext, box) -> bool:
+    return box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1
+
+
+def place_labels(ax, points: list[tuple[float, float, str]], fontsize: int = 8) -> list:
+    """Label each point (x, y, text) beside it, inside the axes and clear of the labels placed before it: right of
+    a point in the left half of the axes, left of one in the right half; stacked above the point, then below it,
+    where that place is taken (runs of one size and quality). Call once the axis limits are set; the annotations."""
+    renderer = ax.figure.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    to_points = 72 / ax.figure.dpi
+    placed, out = [], []
+    for x, y, text in points:
+        left = ax.transData.transform((x, y))[0] > (box.x0 + box.x1) / 2
+        dx = -6 if left else 6
+        ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, 4), ha="right" if left else "left",
+                          va="bottom", fontsize=fontsize, parse_math=False, annotation_clip=False)
+        step = ann.get_window_extent(renderer).height * to_points + 1
+        tries = [4 + k * step for k in range(len(points))] + [-4 - k * step for k in range(1, len(points) + 1)]
+        fits = []
+        for dy in tries:
+            ann.xyann = (dx, dy)
+            ext = ann.get_window_extent(renderer)
+            if _inside(ext, box):
+                fits.append(dy)
+                if not any(ext.overlaps(p) for p in placed):
+                    fits = [dy]
+                    break
+        if fits:
+            ann.xyann = (dx, fits[0])
+        else:  # no place beside the point inside the axes: moved in
+            ann.xyann = (dx, 4)
+            ext = ann.get_window_extent(renderer)
+            shift_x = max(box.x0 - ext.x0, 0) + min(box.x1 - ext.x1, 0)
+            shift_y = max(box.y0 - ext.y0, 0) + min(box.y1 - ext.y1, 0)
+            ann.xyann = (dx + shift_x * to_points, 4 + shift_y * to_points)
+        placed.append(ann.get_window_extent(renderer))
+        out.append(ann)
+    return out
+
+
+def _legend_below(ax, handles: list) -> None:
+    """The legend under the axes (never over a point or a label)."""
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
+
+
+def staircase(front: list[tuple[float, float]], x_max: float, y_max: float) -> tuple[list[float], list[float]]:
+    """The Pareto front over (size, ratio) as the edge of what its runs dominate: up from the smallest run on it to
+    y_max, then across and down through each next run, to x_max at the last one's ratio. Drawn for one run too."""
+    pts = sorted(front)
+    xs, ys = [pts[0][0]], [y_max]
+    for i, (s, q) in enumerate(pts):
+        xs += [s, pts[i + 1][0] if i + 1 < len(pts) else x_max]
+        ys += [q, q]
+    return xs, ys
+
+
+def pareto_figure(rows: list[dict]):
+    """Quality (ppl ratio with its interval, lower is better) vs checkpoint size on disk: the Pareto front drawn as
+    the edge of what its runs dominate, the unquantized model (its size, ratio 1) where the rows say its size. The
+    size axis starts at 0 (and reaches the unquantized size): checkpoints a few percent apart sit together, as they
+    are. The matplotlib figure; None when no row has a size and a ratio."""
+    pts = [r for r in rows if r.get("size_bytes") and r.get("ppl_ratio")]
     if not pts:
         return None
     plt = _plt()
+    from matplotlib.lines import Line2D
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    front = pareto_front([(s, q) for s, q, _ in pts])
-    for i, (s, q, label) in enumerate(pts):
-        on = i in front
-        ax.scatter([s], [q], s=60 if on else 30, color="tab:green" if on else "tab:gray", zorder=3)
-        ax.annotate(label, (s, q), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    fx = sorted((pts[i][0], pts[i][1]) for i in front)
-    ax.plot([p[0] for p in fx], [p[1] for p in fx], "--", color="tab:green", label="Pareto front")
+    sizes = [r["size_bytes"] / 2**20 for r in pts]
+    refs = {r["size_bytes"] / r["size_vs_reference"] / 2**20 for r in pts if r.get("size_vs_reference")}
+    models = {r.get("model") for r in pts}
+    ref = max(refs) if refs and len(models) == 1 and max(refs) - min(refs) <= 0.01 * max(refs) else None
+    ax.set_xlim(0, max(sizes + ([ref] if ref else [])) * 1.1)
+    _ratio_axis(ax, pts)
+    front = pareto_front([(s, r["ppl_ratio"]) for s, r in zip(sizes, pts, strict=True)])
+    for i, (s, r) in enumerate(zip(sizes, pts, strict=True)):
+        color = "tab:green" if i in front else "tab:gray"
+        ax.errorbar([s], [r["ppl_ratio"]], yerr=_ratio_err(r), fmt="o", ms=8 if i in front else 6, color=color,
+                    ecolor=color, elinewidth=1, capsize=3, zorder=4 if i in front else 3)
+    xs, ys = staircase([(sizes[i], pts[i]["ppl_ratio"]) for i in front], ax.get_xlim()[1], ax.get_ylim()[1])
+    (line,) = ax.plot(xs, ys, "--", color="tab:green", lw=1.2, gid="pareto-front", label=FRONT_LABEL)
+    handles = [line, Line2D([], [], marker="o", ls="", color="tab:green", label="run on the front")]
+    if len(front) < len(pts):
+        handles.append(Line2D([], [], marker="o", ls="", color="tab:gray", label="dominated run"))
+    if ref:
+        ax.scatter([ref], [1.0], marker="s", s=50, facecolors="none", edgecolors="black", zorder=3)
+        handles.append(Line2D([], [], marker="s", ls="", mfc="none", color="black",
+                              label=f"unquantized model ({ref:.4g} MiB, ratio 1)"))
+    place_labels(ax, [(s, r["ppl_ratio"], r["label"]) for s, r in zip(sizes, pts, strict=True)])
+    _legend_below(ax, handles)
     ax.set_xlabel("checkpoint size on disk (MiB)")
-    ax.set_ylabel("perplexity ratio vs reference (lower is better)")
+    ax.set_ylabel("perplexity ratio vs reference, interval\n(lower is better)")
     ax.set_title("Quality vs size")
-    ax.legend()
-    return _uri(fig)
+    return fig
+
+
+def pareto(rows: list[dict]) -> str | None:
+    """pareto_figure as a data URI; None when no row has a size and a ratio."""
+    fig = pareto_figure(rows)
+    return _uri(fig) if fig is not None else None
 
 
 def _speed_point(ax, row: dict, on_front: bool) -> str:
@@ -124,14 +235,15 @@ def _speed_point(ax, row: dict, on_front: bool) -> str:
                 mfc=color if passed else "none", ecolor=color, capsize=3, zorder=3)
     if on_front:
         ax.scatter([x], [y], s=200, facecolors="none", edgecolors="black", zorder=4)
-    ax.annotate(row["label"], (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8, parse_math=False)
     return "passed its gates" if passed else "did not pass"
 
 
 def speed_figure(rows: list[dict]):
     """Quality (ppl ratio, lower is better) vs decode speedup over the unquantized model at batch 1 (with its
     interval), runs that passed their gates filled, the Pareto front over (faster, closer to the reference) ringed and
-    dashed; the matplotlib figure, None when no row measured its speed at batch 1."""
+    dashed (the legend shows a dashed line only where one is drawn: two runs or more on the front); the speedup axis
+    holds 1x and every interval, at least MIN_SPEEDUP_SPAN wide. The matplotlib figure, None when no row measured its
+    speed at batch 1."""
     pts = [r for r in rows if r.get("speed_b1") and r.get("ppl_ratio")]
     if not pts:
         return None
@@ -139,19 +251,25 @@ def speed_figure(rows: list[dict]):
     from matplotlib.lines import Line2D
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_xlim(*_limits([1.0] + [v for r in pts for v in (r["speed_b1"]["value"], *r["speed_b1"]["ci"])],
+                         MIN_SPEEDUP_SPAN))
+    _ratio_axis(ax, pts)
     front = pareto_front([(-r["speed_b1"]["value"], r["ppl_ratio"]) for r in pts])
     kinds = {_speed_point(ax, r, i in front) for i, r in enumerate(pts)}
     fx = sorted((pts[i]["speed_b1"]["value"], pts[i]["ppl_ratio"]) for i in front)
-    ax.plot([p[0] for p in fx], [p[1] for p in fx], "--", color="black", alpha=0.6)
+    line = len(set(fx)) > 1
+    if line:
+        ax.plot([p[0] for p in fx], [p[1] for p in fx], "--", color="black", alpha=0.6, gid="speed-front")
     ax.axvline(1.0, color="tab:gray", ls=":")
     runs = {"passed its gates": Line2D([], [], marker="o", ls="", color="tab:green", label="passed its gates"),
             "did not pass": Line2D([], [], marker="o", ls="", mfc="none", color="tab:red", label="did not pass")}
-    ax.legend(handles=[runs[k] for k in runs if k in kinds] + [
-        Line2D([], [], marker="o", ls="--", mfc="none", ms=12, color="black",
+    place_labels(ax, [(r["speed_b1"]["value"], r["ppl_ratio"], r["label"]) for r in pts])
+    _legend_below(ax, [runs[k] for k in runs if k in kinds] + [
+        Line2D([], [], marker="o", ls="--" if line else "", mfc="none", ms=12, color="black",
                label="Pareto front: no other run is both faster and closer"),
-        Line2D([], [], ls=":", color="tab:gray", label="unquantized speed (1x)")], fontsize=8)
+        Line2D([], [], ls=":", color="tab:gray", label="unquantized speed (1x)")])
     ax.set_xlabel("decode speedup over the unquantized model at batch 1 (paired rounds, interval)")
-    ax.set_ylabel("perplexity ratio vs reference (lower is better)")
+    ax.set_ylabel("perplexity ratio vs reference, interval\n(lower is better)")
     ax.set_title("Quality vs decode speed (batch 1)")
     return fig
 

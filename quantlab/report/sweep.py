@@ -211,6 +211,41 @@ def _speed(doc: dict) -> tuple[dict, str | None]:
     return out, None
 
 
+# the artifact-store directories a step's artifacts go to, where they are not the part of its name before ":"
+# (quantlab.graph.steps_for; run.json's events name directories, its stage_seconds name steps): a candidate's
+# evaluation also makes the reference's blocks and the engine it evaluates (inside its own seconds)
+STEP_STORES = {"evaluate": ("evaluate", "reference", "engine"), "build": ("engine",)}
+
+
+def _wall(record: dict) -> dict:
+    """The run's wall time split into computed and reused seconds, from run.json: stage_seconds (each step's own
+    seconds) and events (each artifact the run read from the store, "reused", or made, "built", by the store's
+    directory). A step is a cache hit when every event of its directories says "reused": its seconds (loading what
+    an earlier run made) are reused_s, its name is in reused_steps. computed_s is the rest of the wall time: the
+    other steps, and what no step times (setup, gate, reports). A step with no event (a local model) and a step whose
+    directory saw a build (of this step or another of that directory) count as computed, so reused_s never says more
+    than the cache served. computed_s and reused_s are None (no steps) where run.json has no such record (a run
+    stopped before it wrote them, or one older than them)."""
+    wall, seconds, events = record.get("wall_time_s"), record.get("stage_seconds"), record.get("events")
+    out = {"wall_time_s": wall if _number(wall) else None, "computed_s": None, "reused_s": None,
+           "reused_steps": [], "steps": 0}
+    if out["wall_time_s"] is None or not isinstance(seconds, dict) or not isinstance(events, list):
+        return out
+    actions: dict[str, set] = {}
+    for event in events:
+        if isinstance(event, dict):
+            actions.setdefault(str(event.get("stage")), set()).add(event.get("action"))
+    timed = {name: s for name, s in seconds.items() if _number(s)}
+    for name in timed:
+        base = name.split(":", 1)[0]
+        seen = set().union(*(actions.get(d, set()) for d in STEP_STORES.get(base, (base,))))
+        if seen == {"reused"}:
+            out["reused_steps"].append(name)
+    reused = min(round(float(sum(timed[n] for n in out["reused_steps"])), 2), wall)
+    out.update(computed_s=round(wall - reused, 2), reused_s=reused, steps=len(timed))
+    return out
+
+
 def _row(run_dir: Path) -> dict:
     notes = []
     files = {}
@@ -223,7 +258,7 @@ def _row(run_dir: Path) -> dict:
     row = {"run_dir": str(run_dir.resolve()), "name": run_dir.name, **_what_ran(run_dir, record, doc)}
     row["label"] = f"{row['precision']} · kv {row['kv_cache']} · {row['engine']}"
     row["size_bytes"], row["size_vs_reference"] = _size(record)
-    row["wall_time_s"] = record.get("wall_time_s")
+    row.update(_wall(record))
     row["verdict"], row["reason"], row["failed"] = _verdict(run_dir, record, status, doc)
     row["exit_code"] = record.get("exit_code", status.get("exit_code"))
     gate = doc["gate"] if isinstance(doc.get("gate"), dict) else {}
