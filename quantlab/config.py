@@ -39,6 +39,10 @@ class EmbeddedModel:
     file: str = MISSING
     architecture: str = "LlamaForCausalLM"
     note: str = ""
+    # > 0: the package ships the GGUF in that many chunk packages (PACKAGE_part1..N) and assembles it (its
+    # assemble(path), sha256-checked against its EXPECTED_SHA256): assembled into a temporary file for the one
+    # conversion, keyed by that sha256
+    parts: int = 0
 
 
 # accelerate's placement strategies, accepted by model.device_map (calibration, reference, fake-quant, torch engine)
@@ -72,9 +76,11 @@ class DataConfig:
     text_field: str = "text"  # jsonl / csv / datasets column holding the text
     seq_len: int = 512
     seed: int = 0
-    # eos | bos: every window is that token followed by seq_len - 1 text tokens, so the first text token is
-    # scored too (lm-evaluation-harness's rolling-loglikelihood convention); null: plain text windows
-    prefix_token: Optional[str] = None
+    # auto: what the model expects (quantlab.conventions: its tokenizer adds BOS, its chat template or its family
+    # starts with BOS -> bos; else none); eos | bos: every window is that token followed by seq_len - 1 text tokens,
+    # so the first text token is scored too (lm-evaluation-harness's rolling-loglikelihood convention); none (or
+    # null): plain text windows. An explicit choice the model would not expect is a warning.
+    prefix_token: Optional[str] = "auto"
     # Documents (the gate's clusters, docs/statistics.md): records, rows and pydoc topics are documents; plain text is
     # cut at blank lines. A regular expression here: a line of plain text (or a record's whole text) that fully
     # matches it starts a new document and the lines / records up to the next match belong to it (WikiText's

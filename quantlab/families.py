@@ -29,6 +29,7 @@ class Family:
     notes: str = ""
     gpu: tuple[str, ...] = field(default_factory=tuple)  # verified on the H200 (bench/RESULTS.md)
     refused: dict = field(default_factory=dict)  # precision -> why it cannot work for this family (exit 2 says so)
+    bos: bool = False  # trained with BOS before every sequence (quantlab.conventions: prefix_token=auto gives bos)
 
 
 DENSE = ("fp8", "fp8_pc_pt", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4", "mixed")
@@ -51,10 +52,10 @@ for _f in [
     Family("granite", DENSE, gpu=GPU_DENSE, notes="logits divided by logits_scaling"),
     Family("gpt_neox", DENSE, gpu=GPU_DENSE, notes="fused query_key_value, partial rotary; disk embed_out = lm_head"),
     Family("opt", DENSE, gpu=GPU_DENSE, notes="LayerNorm input quantizers disabled (the export ships none)"),
-    Family("gemma", DENSE, gpu=GPU_DENSE, notes="embed_scale rebuilt, never read from a checkpoint"),
-    Family("gemma2", DENSE, gpu=GPU_DENSE, attn_implementation="eager",
+    Family("gemma", DENSE, gpu=GPU_DENSE, bos=True, notes="embed_scale rebuilt, never read from a checkpoint"),
+    Family("gemma2", DENSE, gpu=GPU_DENSE, bos=True, attn_implementation="eager",
            notes="attention and final logit soft-capping; sliding/global alternation"),
-    Family("gemma3_text", DENSE, gpu=GPU_DENSE, attn_implementation="eager",
+    Family("gemma3_text", DENSE, gpu=GPU_DENSE, bos=True, attn_implementation="eager",
            notes="dual RoPE (local / global bases); sliding/global alternation"),
     Family("mixtral", ("fp8", "int4_awq", "nvfp4"), moe=True, gpu=GPU_MOE,
            notes="router in high precision; experts per format", refused=MOE_NO_SMOOTHQUANT),

@@ -166,6 +166,10 @@ class _Run:
                 log.warning("warning: %s", line)
         if ctx.engine.runs != "model" and not ctx.external_checkpoint:  # made elsewhere: not our calibration
             self.data_warnings = _calibration_overlap(cfg, calib, evalset, record)
+        record["conventions"] = conventions_record(calib, evalset)
+        for line in record["conventions"]["warnings"]:
+            log.warning("warning: %s", line)
+        self.data_warnings = record["conventions"]["warnings"] + self.data_warnings
         self.provenance = {"model_fingerprint": ref.fingerprint, "eval_fingerprint": evalset.fingerprint,
                            "calib_fingerprint": calib.fingerprint, "versions": versions(), "git_commit": git_commit(),
                            "device": ctx.device.describe(), "dtype": str(ctx.dtype).removeprefix("torch."),
@@ -275,8 +279,10 @@ class _Run:
                 "model": ref.name, "recipe": record.get("recipe"), "run_dir": str(self.run_dir),
                 "eval": {"windows": used, "windows_available": evalset.num_windows, "cap": result.design.cap,
                          "seq_len": evalset.seq_len, "source": evalset.info["source"],
-                         "tokens": used * evalset.seq_len, "kl": "exact over the full vocabulary (reference logits "
-                                                                "recomputed from its cached final hidden states)"},
+                         "tokens": used * evalset.seq_len,
+                         "prefix": (record.get("conventions") or {}).get("eval"),
+                         "kl": "exact over the full vocabulary (reference logits recomputed from its cached final "
+                               "hidden states)"},
                 "checkpoint": record["artifacts"].get("export"), "family": ref.family,
                 "experts": _expert_coverage(record["artifacts"].get("quantize")),
                 "audit": record.get("audit"),
@@ -297,6 +303,21 @@ class _Run:
 BLIND_SHARE_WEAK = 0.10  # a verdict blind to faults in more than this share of the text is weak evidence
 CALIB_TOKENS_WEAK = 8192  # fewer calibration tokens (ModelOpt's examples use 512 x 512 = 262k) is weak evidence
 DOCUMENTS_WEAK = 5  # fewer documents among the windows: intervals over 1-3 degrees of freedom
+
+
+def conventions_record(calib, evalset) -> dict:
+    """run.json's conventions: the prefix each role's windows start with, why, and a warning per explicit choice the
+    model would not expect (quantlab.conventions)."""
+    out, warnings = {}, []
+    for role, tokens in (("calib", calib), ("eval", evalset)):
+        prefix = getattr(tokens, "prefix", None)
+        if prefix is None:
+            continue
+        out[role] = prefix.describe()
+        if prefix.warning and prefix.warning not in warnings:
+            warnings.append(prefix.warning)
+    out["warnings"] = warnings
+    return out
 
 
 def weak_evidence(verdict: dict, calib_tokens: int | None, checks) -> list[str]:

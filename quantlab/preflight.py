@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from quantlab import conventions
 from quantlab.config import DEVICE_MAPS, STAGES, Config
 from quantlab.engines.registry import engine_of
 from quantlab.env import Device
@@ -95,10 +96,10 @@ def _check_windows(cfg: Config) -> None:
         raise QuantlabError(f"eval.seq_len={cfg.eval.seq_len}: a window needs 2 tokens or more to score one",
                             fix="set eval.seq_len to 2 or more")
     for knob, data in (("calib", cfg.calib), ("eval", cfg.eval)):
-        if data.prefix_token not in (None, "eos", "bos"):
+        if data.prefix_token is not None and str(data.prefix_token).lower() not in conventions.CHOICES:
             raise QuantlabError(f"{knob}.prefix_token={data.prefix_token!r} is not supported",
-                                fix="use eos, bos or null")
-        if data.prefix_token and data.seq_len < 2:
+                                fix="use auto (what the model expects), bos, eos or none")
+        if data.prefix_token not in (None, "none") and data.seq_len < 2:
             raise QuantlabError(f"{knob}.seq_len={data.seq_len} leaves no room for text after the prefix token",
                                 fix=f"set {knob}.seq_len to 2 or more")
     for knob in ("gen_prompts", "gen_prompt_len", "gen_tokens"):

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="device of the canary: auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--canary-windows", type=int, default=2, metavar="N", help="canary windows (default 2)")
     parser.add_argument("--canary-tokens", type=int, default=128, metavar="N", help="tokens per window (default 128)")
+    parser.add_argument("--prefix-token", default="auto", choices=["auto", "bos", "eos", "none"],
+                        help="the token before each canary window (default auto: what the model expects, from its "
+                             "tokenizer, chat template or family)")
     parser.add_argument("--quiet", action="store_true", help="print errors and warnings only")
     args = parser.parse_args(argv)
     return cli_guard(_main, args, interrupted="\nquantlab audit: interrupted",
@@ -62,7 +65,8 @@ def _main(args) -> int:
         hf_logging.disable_progress_bar()
     try:
         report = audit(args.checkpoint, args.reference, canary=not args.no_canary,
-                       canary_windows=args.canary_windows, canary_tokens=args.canary_tokens, device=args.device)
+                       canary_windows=args.canary_windows, canary_tokens=args.canary_tokens, device=args.device,
+                       prefix_token=args.prefix_token)
     finally:
         if hf_logging is not None:
             hf_logging.set_verbosity(verbosity)

@@ -20,7 +20,7 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
     from quantlab.engines.qlayers import QLAYERS
     from quantlab.engines.torch_engine import load_exported
     from quantlab.gate.metrics import compare_positions
-    from quantlab.models import load_model, load_tokenizer
+    from quantlab.models import load_model
 
     algos = a.quant.algos()
     unknown = sorted(algo for algo in algos if algo not in QLAYERS)
@@ -32,7 +32,7 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
         # the probe ran the reference on these windows already (its first ones: the same text, the same ids)
         ids, ref_logits = a.probe.ids[:windows], a.probe.logits[:windows]
     else:
-        ids = _canary_ids(load_tokenizer(a.ref), windows, tokens)
+        ids = canary_ids(a, windows, tokens)
         with torch.no_grad():
             reference = load_model(a.ref, a.device, a.dtype)
             ref_logits = reference(ids.to(a.device.torch), use_cache=False).logits.float().cpu()
@@ -56,6 +56,7 @@ def check_canary(a: AuditState, windows: int, tokens: int) -> None:
     ppl_ratio = math.exp(nll_gap) if nll_gap < 700 else math.inf
     b = canary_bounds(algos)
     a.canary = {"windows": int(ids.shape[0]), "tokens": int(ids.shape[1]), "positions": int(agree.numel()),
+                "prefix": a.prefix.token if a.prefix else None,
                    "top1": top1, "kl_mean": _finite(kl_mean), "kl_p99": _finite(float(kl.quantile(0.99))),
                    "ppl_ratio": _finite(ppl_ratio), "finite": finite, "bounds": asdict(b),
                    "seconds": round(time.time() - start, 2)}
@@ -85,9 +86,22 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _canary_ids(tokenizer, windows: int, tokens: int):
+def canary_ids(a: AuditState, windows: int, tokens: int):
+    """The canary's (and the probe's) windows for this audit's reference, with the prefix the model expects."""
+    from quantlab.models import load_tokenizer
+
+    tokenizer = load_tokenizer(a.ref)
+    if a.prefix is None:
+        from quantlab import conventions
+
+        a.prefix = conventions.resolve(a.prefix_token, tokenizer, a.ref.config, "canary")
+    return _canary_ids(tokenizer, windows, tokens, a.prefix.token_id)
+
+
+def _canary_ids(tokenizer, windows: int, tokens: int, prefix_id: int | None = None):
     """windows x tokens ids of Python's own documentation (the packaged pydoc topics, always offline), the topics
-    taken from the end of the sorted list (calibration recipes and the test models' training start at the beginning)."""
+    taken from the end of the sorted list (calibration recipes and the test models' training start at the beginning).
+    With prefix_id every window is that token followed by tokens - 1 text tokens (the evaluation's convention)."""
     import torch
 
     from quantlab.stages.data import pydoc_topics
@@ -100,9 +114,16 @@ def _canary_ids(tokenizer, windows: int, tokens: int):
         if len(text) >= want:
             break
         text += topics[name].strip() + "\n\n"
-    ids = tokenizer(text[:want])["input_ids"]
-    per = min(tokens, len(ids) // windows)
+    if prefix_id is None:
+        ids = tokenizer(text[:want])["input_ids"]
+        per = min(tokens, len(ids) // windows)
+    else:
+        ids = tokenizer(text[:want], add_special_tokens=False)["input_ids"]
+        per = min(tokens, len(ids) // windows + 1)
     if per < 2:
         raise QuantlabError("the reference tokenizer gives too few tokens for the canary",
                             fix="check the reference's tokenizer, or run with --no-canary")
-    return torch.tensor(ids[: windows * per]).view(windows, per)
+    if prefix_id is None:
+        return torch.tensor(ids[: windows * per]).view(windows, per)
+    body = torch.tensor(ids[: windows * (per - 1)]).view(windows, per - 1)
+    return torch.cat([torch.full((windows, 1), prefix_id, dtype=body.dtype), body], dim=1)

@@ -61,11 +61,12 @@ def _open(checkpoint: str | Path) -> tuple[Path, QuantConfig, dict, CheckpointTe
 
 
 def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary_windows: int = 2,
-          canary_tokens: int = 128, device=None, dtype=None) -> AuditReport:
+          canary_tokens: int = 128, device=None, dtype=None, prefix_token="auto") -> AuditReport:
     """Audit an exported checkpoint (a directory with hf_quant_config.json, config.json and safetensors) against
     its unquantized reference (a directory or a quantlab ModelRef; None skips the checks that need it). The
     canary (needs the reference) runs on `device` (default: cuda if present, else cpu) in `dtype` (default: the
-    device's: float32 on CPU; `device` may be a quantlab Device or a spec such as "cpu"). Raises QuantlabError when
+    device's: float32 on CPU; `device` may be a quantlab Device or a spec such as "cpu"); its windows start with
+    prefix_token (auto: what the model expects, quantlab.conventions; bos | eos | none). Raises QuantlabError when
     the input cannot be audited at all."""
     from quantlab.env import resolve_device, resolve_dtype
 
@@ -87,9 +88,11 @@ def audit(checkpoint: str | Path, reference=None, canary: bool = True, *, canary
     timings: dict[str, float] = {"setup": 0.0}
     if opened is not None:  # another tool's format: its own checks where its tensors differ (quantlab.audit.foreign)
         run = foreign.ForeignAuditState(opened, ref, device, dtype)
+        run.prefix_token = prefix_token
         steps = foreign.steps()
     else:
         run = AuditState(ckpt, quant, config, tensors, ref, device, dtype, views)
+        run.prefix_token = prefix_token
         steps = [("index", index.check_index), ("declarations", declarations.check_declarations),
                  ("metadata", metadata.check_metadata), ("tokenizer", tokenizer_checks.check_tokenizer),
                  ("coverage", coverage.check_coverage), ("head", head.check_head), ("scales", scales.check_scales),

@@ -44,11 +44,11 @@ def run_probe(a, windows: int, tokens: int, inputs: dict, kv: dict) -> ProbeResu
     import torch
 
     from quantlab.audit import activations
-    from quantlab.audit.canary import _canary_ids
-    from quantlab.models import load_model, load_tokenizer
+    from quantlab.audit.canary import canary_ids
+    from quantlab.models import load_model
 
     start = time.time()
-    ids = _canary_ids(load_tokenizer(a.ref), windows, tokens)
+    ids = canary_ids(a, windows, tokens)
     model = load_model(a.ref, a.device, a.dtype)
     result = ProbeResult(ids, None)
     modules = dict(model.named_modules())

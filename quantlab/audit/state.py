@@ -40,6 +40,8 @@ class AuditState:
         self.layers: list[dict] = []
         self.activations: list[dict] = []
         self.canary: dict | None = None
+        self.prefix_token = "auto"  # the canary's and probe's prefix (quantlab.conventions); resolved on first use
+        self.prefix = None  # conventions.Prefix
         self.probe = None  # probe.ProbeResult: the reference forward's activations, norm -> Linear relation, logits
         self.skipped: list[str] = []
         self.folded: set[str] = set()  # 1-D tensors whose change a fold of AWQ scales explains

@@ -26,8 +26,15 @@ def step(ctx: RunContext) -> Step:
     """The audit of r.value("export") against the unquantized model r.value("prepare")."""
     from quantlab.audit import AUDIT_SCHEMA
 
+    def prefix(r) -> str:
+        """The evaluation's prefix, resolved for the model (quantlab.conventions): the canary reads what the gate
+        reads."""
+        token = r.value("data:eval").prefix
+        return (token.token or "none") if token is not None else "auto"
+
     def key(r) -> str:
-        return ctx.store.key("audit", export=r.fingerprint("export"), model=r.fingerprint("prepare"), canary=CANARY,
+        canary = CANARY if prefix(r) in ("none", "auto") else {**CANARY, "prefix": prefix(r)}
+        return ctx.store.key("audit", export=r.fingerprint("export"), model=r.fingerprint("prepare"), canary=canary,
                              device=ctx.device.arch, dtype=str(ctx.dtype), schema=AUDIT_SCHEMA, versions=versions())
 
     def build(out: Path, r) -> dict:
@@ -35,7 +42,7 @@ def step(ctx: RunContext) -> Step:
 
         report = audit(r.value("export").path, r.value("prepare"), canary=CANARY["canary"],
                        canary_windows=CANARY["windows"], canary_tokens=CANARY["tokens"], device=ctx.device,
-                       dtype=ctx.dtype)
+                       dtype=ctx.dtype, prefix_token=prefix(r))
         write_json_atomic(out / REPORT, report.to_dict())
         counts = report.summary()
         log.info("audit: %s (%d error(s), %d warning(s)) in %.1f s", "PASS" if report.passed else "FAIL",
@@ -50,7 +57,7 @@ def step(ctx: RunContext) -> Step:
     def work(r) -> dict:
         return costs.work(costs.device_label(ctx.device), "audit", r.value("prepare").num_params)
 
-    return Step("audit", "export", key, load, build, needs=("export", "prepare"), work=work,
+    return Step("audit", "export", key, load, build, needs=("export", "prepare", "data:eval"), work=work,
                 manifest=lambda r: {"model": r.fingerprint("prepare"), "export": r.fingerprint("export"),
                                     "versions": versions()},
                 store_stage="audit", describe="checkpoint audit")

@@ -10,7 +10,8 @@ whitespace (the tokenizer's leading special tokens once, at the start), and cut 
 seq_len tokens (the tail is dropped). Reading stops as soon as the pool exists: calibration draws num_samples windows
 at random (seeded) from the first pool_windows windows; evaluation keeps max_windows windows of its first
 pool_windows, in the look order below. So a multi-GB corpus costs memory for the pool, not for the file. With
-prefix_token=eos|bos each window is that token followed by seq_len - 1 text tokens.
+prefix_token=eos|bos each window is that token followed by seq_len - 1 text tokens; prefix_token=auto (the default)
+is what the model expects (quantlab.conventions: its tokenizer, chat template or family), resolved before the key.
 
 Documents (evaluation). Records (JSON Lines, JSON array, CSV / TSV, Parquet, dataset rows) and pydoc topics are
 documents; plain text is cut at blank lines; with doc_separator a line of plain text (or a record's whole text) that
@@ -93,6 +94,7 @@ class TokenSet:
     info: dict
     docs: object = None  # numpy int64 [n_windows] (evaluation)
     positions: object = None  # numpy int64 [n_windows] (evaluation)
+    prefix: object = None  # quantlab.conventions.Prefix the windows were built with (set by the run graph)
 
     def doc_label(self, doc: int) -> str:
         """A document's short label (pydoc topic, record number, first heading or line)."""
@@ -529,13 +531,25 @@ def _recipe(cfg: DataConfig, role: Role) -> dict:
         recipe["pool"] = cfg.pool_windows  # calibration draws from the first pool_windows windows (was: all)
     else:  # evaluation: documents and the stratified look order (was: the first max_windows windows in text order)
         recipe.update(order=ORDER, pool=cfg.pool_windows, doc_separator=cfg.doc_separator)
-    if cfg.prefix_token:
+    if cfg.prefix_token and cfg.prefix_token != "none":
         recipe["prefix_token"] = cfg.prefix_token
     return recipe
 
 
+def with_prefix(cfg: DataConfig, tokenizer, config: dict | None, knob: str):
+    """(the recipe with prefix_token resolved for this model: bos | eos | None, the conventions.Prefix)."""
+    import dataclasses
+
+    from quantlab import conventions
+
+    prefix = conventions.resolve(cfg.prefix_token, tokenizer, config, knob)
+    return dataclasses.replace(cfg, prefix_token=prefix.token), prefix
+
+
 def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
-    if not cfg.prefix_token:
+    if cfg.prefix_token == "auto":  # a caller outside the run graph: the tokenizer's own convention
+        cfg, _ = with_prefix(cfg, tokenizer, None, knob)
+    if not cfg.prefix_token or cfg.prefix_token == "none":
         return None
     token_id = getattr(tokenizer, f"{cfg.prefix_token}_token_id", None)
     if token_id is None:
@@ -714,8 +728,10 @@ def overlap(calib: TokenSet, evalset: TokenSet, n: int = OVERLAP_NGRAM) -> dict:
 
 
 def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactStore,
-        vocab: int | None = None) -> TokenSet:
-    """key, build (once) and load in one call: for callers outside the run graph (bench, tests)."""
+        vocab: int | None = None, model_config: dict | None = None) -> TokenSet:
+    """key, build (once) and load in one call: for callers outside the run graph (bench, tests). prefix_token=auto
+    resolves from the tokenizer alone (no config: the family rule needs model_config)."""
+    cfg, _ = with_prefix(cfg, tokenizer, model_config, role.name)
     ident = key(cfg, role, model_fp, store)
     art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out, vocab),
                                 {"role": role.name, "recipe": ident.recipe, "model": model_fp},
@@ -726,15 +742,9 @@ def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactSt
 
 # ------------------------------------------------------------------------------------------- the step
 def step(ctx: RunContext, role: Role) -> Step:
-    """Token windows for one role, keyed by the text itself (not its path), the recipe and the model."""
-    cfg = getattr(ctx.cfg, role.name)
+    """Token windows for one role, keyed by the text itself (not its path), the recipe (prefix_token resolved for
+    the model: quantlab.conventions) and the model."""
     name = f"data:{role.name}"
-
-    def ident(r) -> DataKey:
-        memo = ctx.memo.setdefault("data_keys", {})
-        if role.name not in memo:
-            memo[role.name] = key(cfg, role, r.fingerprint("prepare"), ctx.store)
-        return memo[role.name]
 
     def tokenizer(r):
         if "tokenizer" not in ctx.memo:
@@ -743,11 +753,30 @@ def step(ctx: RunContext, role: Role) -> Step:
             ctx.memo["tokenizer"] = load_tokenizer(r.value("prepare"))
         return ctx.memo["tokenizer"]
 
+    def recipe(r) -> DataConfig:
+        memo = ctx.memo.setdefault("data_recipes", {})
+        if role.name not in memo:
+            memo[role.name] = with_prefix(getattr(ctx.cfg, role.name), tokenizer(r), r.value("prepare").config,
+                                          role.name)
+        return memo[role.name][0]
+
+    def ident(r) -> DataKey:
+        memo = ctx.memo.setdefault("data_keys", {})
+        if role.name not in memo:
+            memo[role.name] = key(recipe(r), role, r.fingerprint("prepare"), ctx.store)
+        return memo[role.name]
+
     def build_step(out, r) -> dict:
         ref = r.value("prepare")
-        return build(cfg, role, ident(r), tokenizer(r), out, ref.vocab_size)
+        return build(recipe(r), role, ident(r), tokenizer(r), out, ref.vocab_size)
 
-    return Step(name, "data", lambda r: ident(r).key, lambda art, r, built: load(art, role), build_step,
+    def load_step(art, r, _built) -> TokenSet:
+        tokens = load(art, role)
+        recipe(r)
+        tokens.prefix = ctx.memo["data_recipes"][role.name][1]
+        return tokens
+
+    return Step(name, "data", lambda r: ident(r).key, load_step, build_step,
                 needs=("prepare",), work=lambda r: costs.work("cpu", role.name, size=ident(r).source.length),
                 manifest=lambda r: {"role": role.name, "recipe": ident(r).recipe, "model": r.fingerprint("prepare")},
                 describe=f"tokenizing {role.name} data", cheap=True)

