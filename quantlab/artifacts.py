@@ -232,8 +232,9 @@ class ArtifactStore:
         quantlab.plan can predict later builds (see quantlab/costs.py)."""
         found = self.load(stage, key)
         if found is not None:
+            if (stage, key, "reused") not in self.events and (stage, key, "built") not in self.events:
+                log.info("%s: reusing %s", stage, found.path)  # once: a sequential gate reads its blocks at every look
             self.events.append((stage, key, "reused"))
-            log.info("%s: reusing %s", stage, found.path)
             return found, None
         lock = self.lock(stage, key)
         try:

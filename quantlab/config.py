@@ -179,5 +179,8 @@ class Config:
     cache_dir: Optional[str] = None  # default: $QUANTLAB_CACHE or ~/.cache/quantlab
     stop_after: Optional[str] = None  # one of STAGES, to end the run early
     run_checkpoint: str = "hardlink"  # RUN/checkpoint: hardlink (copy across filesystems), copy, or symlink
+    # stop: an error finding of the checkpoint audit ends the run before evaluation (exit 1); evaluate: evaluated
+    # anyway (what the broken export does, for a diagnosis or a timing run), the verdict FAIL whatever the gate says
+    audit_errors: str = "stop"
     quiet: bool = False
     search: Optional[SearchConfig] = None  # +search=cheapest: find the cheapest configuration that passes

@@ -85,6 +85,7 @@ class _Run:
         self.steps = [self.reported(s) for s in steps_for(ctx)]
         self.executor = Executor(ctx, self.steps)
         self.provenance: dict = {}
+        self.audit_failed: str | None = None  # audit_errors=evaluate and the audit found an error: why it FAILs
         self.data_warnings: list[str] = []  # what the evaluation text makes of the verdict (calibration overlap)
         self.runlog: progress.RunLog | None = None
         self._history: list[dict] | None = None
@@ -129,8 +130,14 @@ class _Run:
             for finding in report.errors + report.warnings:  # one line each, whether audited now or reused
                 (log.error if finding.severity == "error" else log.warning)(
                     "audit: %s [%s] %s", finding.severity, finding.check, finding.message)
-            if not report.passed:
+            if not report.passed and self.cfg.audit_errors == "stop":
                 return self.audit_stopped(report, ref)
+            if not report.passed:  # audit_errors=evaluate: what the broken export does, never a PASS
+                first = report.errors[0]
+                self.audit_failed = (f"the checkpoint audit found {len(report.errors)} error(s), first "
+                                     f"[{first.check}] {first.message}: FAIL whatever the gate says "
+                                     f"(audit_errors=evaluate evaluated it anyway)")
+                log.warning("warning: %s", self.audit_failed)
         run = self.executor
         run.run(targets(self.steps))  # the graph's targets (each builds what it needs, once)
         self.record["artifacts"] = _artifacts(run)
@@ -210,9 +217,13 @@ class _Run:
         thresholds = gate_checks.thresholds_for(cfg.gate, ctx.precision.name, cfg.eval.seq_len)
         verdict = gate_checks.verdict(cfg.gate, thresholds, result.checks, result.design, result.look,
                                       result.windows, result.metrics, self.provenance)
+        if self.audit_failed:
+            verdict["passed"] = False
+            verdict["audit_failed"] = self.audit_failed
         verdict["evidence"] = weak_evidence(verdict, self.calibration_tokens(), result.checks)
-        verdict["warnings"] = (verdict["evidence"] + self.data_warnings + result.warnings + verdict["warnings"]
-                               + within_numerics(result.checks, result.numerics))
+        verdict["warnings"] = ([self.audit_failed] if self.audit_failed else []) + (
+            verdict["evidence"] + self.data_warnings + result.warnings + verdict["warnings"]
+            + within_numerics(result.checks, result.numerics))
         doc = documents.metrics_document(self.run_info(ref, result), result, verdict, self.provenance, attribution)
         run.values["reference"].close()
         doc["speed"] = self.speed()

@@ -67,6 +67,10 @@ def check_config(cfg: Config) -> None:
                             fix="set run_checkpoint=hardlink (the default: the checkpoint's files hard-linked into "
                                 "the run directory, copied across filesystems), copy, or symlink (a link into the "
                                 "cache)")
+    if cfg.audit_errors not in ("stop", "evaluate"):
+        raise QuantlabError(f"audit_errors={cfg.audit_errors!r} is not one of stop, evaluate",
+                            fix="set audit_errors=stop (the default: an audit error ends the run before evaluation) "
+                                "or audit_errors=evaluate (evaluated anyway, the verdict FAIL)")
     if cfg.stop_after is not None and cfg.stop_after not in STAGES:
         raise QuantlabError(f"stop_after={cfg.stop_after!r} is not a stage", fix=f"use one of {', '.join(STAGES)}")
 

@@ -174,3 +174,20 @@ def test_fragile_decisions_hold_under_two_instruction_sets(tiny_llama, tok_dir, 
         lines[label] = re.sub(r" in [\d.]+ s -> .*$", "", res.stdout.strip().splitlines()[-1])
     assert len(set(lines.values())) == 1, lines
     assert "PASS" in lines["avx2"] and "machine-dependent" not in lines["avx2"]
+
+
+# ------------------------------------------------------------------------------------ a warm rerun says each reuse once
+def test_a_warm_rerun_names_each_reused_artifact_once(tiny_llama, tmp_path):
+    """The sequential gate reads its earlier blocks again at every look: each artifact's "reusing" line appears
+    once, not once per look (the square of the looks)."""
+    cache = tmp_path / "c"
+    args = ["+precision=fp8", f"model.path={tiny_llama}", *FAST, "eval.max_windows=12",
+            "gate.statistical.look_windows=4"]
+    first = run_cli(args, cwd=tmp_path, cache=cache)
+    assert first.returncode in (0, 1), _show(first)
+    again = run_cli(args, cwd=tmp_path, cache=cache)
+    assert again.returncode == first.returncode, _show(again)
+    lines = [ln.split("reusing ", 1)[1].strip() for ln in (again.stdout + again.stderr).splitlines()
+             if ": reusing " in ln]
+    assert lines and len(lines) == len(set(lines)), lines
+    assert sum("/evaluate/" in p for p in lines) >= 2  # several looks' blocks were read back

@@ -30,7 +30,8 @@ def check_layers(a: AuditState) -> None:
 
     from quantlab.engines.qlayers import QLAYERS, LayerContext
 
-    ctx = LayerContext("cpu", False, torch.float32)
+    ctx = LayerContext("cpu", False, torch.float32)  # built as on disk (no kernel layouts), compared on the device:
+    dev = a.device.torch if getattr(a.device, "type", "cpu") == "cuda" else "cpu"  # one layer at a time on a GPU
     refusals: dict[tuple, list] = {}
     unknown: dict[str, list] = {}
     stats: list[dict] = []
@@ -50,7 +51,7 @@ def check_layers(a: AuditState) -> None:
             _refused(module, fmt, None, QuantlabError(f"{type(exc).__name__}: {str(exc)[:160]}"), refusals)
             continue
         if a.ref_index is not None:
-            row = _compare_weight(a, module, fmt, layer)
+            row = _compare_weight(a, module, fmt, layer if dev == "cpu" else layer.to(dev), dev)
             if row:
                 stats.append(row)
         del layer
@@ -154,14 +155,14 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
                   fix="declare the group size the weights were quantized with, or re-export")
 
 
-def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict | None:
+def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer, dev: str = "cpu") -> dict | None:
     """The layer's stored weight against the reference in the space the quantizer worked in: a smoothed layer
     stores W / s (s its pre_quant_scale, or the scale export folded into the norm ahead of it), so the
     dequantized weight is compared with W_ref / s, where every output channel's error is the quantizer's own."""
     ref_w = a.ref_tensor(f"{module}.weight")
     if ref_w is None:
         return None
-    ref_w = ref_w.float()
+    ref_w = ref_w.to(dev).float()
     deq = layer.dequantized_weight().float()
     if deq.shape != ref_w.shape:
         a.add(ERROR, "weights", [module], f"dequantized weight has shape {list(deq.shape)}, the reference "
@@ -173,7 +174,7 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer) -> dict
     if pqs is not None:
         candidates = [("pre_quant_scale", pqs.float())]
     else:
-        candidates = [(None, None), *_fold_candidates(a, module, deq.shape[1])]
+        candidates = [(None, None), *((n, v.to(dev)) for n, v in _fold_candidates(a, module, deq.shape[1]))]
     best = None
     for fold, scale in candidates:
         row = _weight_stats(ref_w if scale is None else ref_w / scale[None, :], deq)

@@ -253,7 +253,10 @@ def _tail_fix(blocked: list, design: stats.Design, need: int | None, sources: di
         ways.append(f"or relax them to the smallest share {design.cap} windows can show: {' '.join(relax)} (a "
                     "candidate broken on that share of the text passes)")
     if need is not None:
-        if available is not None and available >= need:
+        if available is None:  # known before the text is read: the cap is what blocks
+            more = f" of {seq_len} tokens" if seq_len else ""
+            ways.append(f"or evaluate more windows: eval.max_windows={need} (the text must give {need} windows{more})")
+        elif available >= need:
             ways.append(f"or evaluate more of the text: eval.max_windows={need}")
         else:
             more = f" of {seq_len} tokens" if seq_len else ""
@@ -278,8 +281,13 @@ def check_evaluation_text(cfg: GateConfig, precision: str, evalset, max_windows:
     calibration): a tail check it cannot pass and a single document are exit 2; few documents a warning."""
     thresholds = thresholds_for(cfg, precision, evalset.seq_len)
     design = with_tails(design_for(cfg, evalset.num_windows, max_windows), thresholds)
-    check_tails(thresholds, design, f"the evaluation text gives {evalset.num_windows}",
-                threshold_sources(cfg, precision), evalset.num_windows, evalset.seq_len)
+    full, ended = evalset.info.get("full_windows", evalset.num_windows), evalset.info.get("text_ended", True)
+    capped = not ended or full > evalset.num_windows  # the cap kept fewer windows than the text has
+    what = (f"eval.max_windows={max_windows} keeps {evalset.num_windows}" if capped
+            else f"the evaluation text gives {evalset.num_windows}")
+    # read only as far as the cap: the text holds more windows than were tokenized (at least one more)
+    available = full if ended else max(full, evalset.num_windows) + 10 ** 9
+    check_tails(thresholds, design, what, threshold_sources(cfg, precision), available, evalset.seq_len)
     return check_documents(evalset.docs, design)
 
 
