@@ -64,6 +64,7 @@ class Task:
     start: float = field(default=0.0)
     separate: bool = False  # a step of its own: its time is not its parent's (the done line says so)
     nested: float = 0.0  # seconds of separate tasks run inside this one
+    outlook: Callable[[float], str] | None = None  # (now) -> text added to the lines of the tasks inside it
 
     def __post_init__(self):
         self.start = self.clock()
@@ -254,7 +255,7 @@ class Console:
             t = self.tasks[-1]
             if now - t.start < REPORT_AFTER:
                 return None
-            text = "  " + t.line(now)
+            text = "  " + t.line(now) + "".join(p.outlook(now) for p in self.tasks[:-1] if p.outlook is not None)
             if self.tty:
                 width = _width(self.stream)
                 self._write("\r\x1b[K" + text[: width - 1])
@@ -324,6 +325,13 @@ def iterate(items, label: str, total: int, unit: str, per_item: int = 1):
         for item in items:
             yield item
             t.advance(min(per_item, max(0, total - t.done)))
+
+
+def current() -> Task | None:
+    """The innermost open task (the step being built), or None."""
+    c = console()
+    with c.lock:
+        return c.tasks[-1] if c.tasks else None
 
 
 def note(detail: str) -> None:

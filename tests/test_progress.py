@@ -163,3 +163,29 @@ def test_a_loop_is_reported_by_wrapping_its_iterable(monkeypatch):
         seen.append(c.tick())
     assert seen == [None, "  reference: 4/10 windows (40%), 12 s, ~18 s left", None]
     assert c.tasks == [] and out.getvalue().splitlines()[-1] == "  reference: done in 18 s"
+
+
+def test_the_evaluation_says_what_is_left_from_its_first_look():
+    """A sequential evaluation's pace (quantlab.stages.evaluate._Pace): nothing before a look has computed, then the
+    measured seconds per window times the windows left to the cap, on the step's line and on the lines of the blocks
+    inside it; reused blocks cost nothing and do not set the pace."""
+    from quantlab.stages.evaluate import _Pace
+
+    pace = _Pace(96)
+    assert pace.left() is None and pace.outlook(0) == ""
+    pace.looked(8, 0.01, computed=False)  # read back from the cache
+    assert pace.left() is None
+    pace.looked(16, 80.0, computed=True)  # 8 new windows in 80 s
+    assert pace.left() == pytest.approx(10.0 * 80)
+    c, clock, out = console()
+    step = c.open(progress.Task("torch evaluation", clock=clock, eta=lambda _t, now: pace.left()))
+    step.outlook = pace.outlook
+    clock.now += 30
+    assert step.line(clock.now) == "torch evaluation, 30 s, ~13.3 min left"
+    c.open(progress.Task("candidate", total=8, unit="windows", clock=clock))
+    clock.now += 12
+    line = c.tick()
+    assert line.startswith("  candidate: 0/8 windows (0%), 12 s (no estimate yet); evaluation: 16/96 windows, "
+                           "~13.3 min left if it reads all (measured 10 s a window)"), line
+    pace.looked(96, 800.0, computed=True)
+    assert pace.left() == 0 and pace.outlook(0) == ""

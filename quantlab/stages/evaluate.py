@@ -381,6 +381,32 @@ def result_of(name: str, w: Windows, gen: dict | None) -> EvalResult:
                       w.a["kl"].ravel(), gen, w.a["argmax_cand"], w)
 
 
+class _Pace:
+    """The evaluation's measured pace: seconds per window of the looks that computed (reused blocks cost nothing),
+    and the time left if the run reads every window up to the cap (a passing run reads them all, or nearly: the
+    tail checks cannot pass before their windows are in; a failing one may stop earlier)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.done, self.windows, self.seconds = cap, 0, 0, 0.0
+
+    def looked(self, n: int, seconds: float, computed: bool) -> None:
+        if computed and n > self.done:
+            self.windows, self.seconds = self.windows + n - self.done, self.seconds + seconds
+        self.done = max(self.done, n)
+
+    def left(self) -> float | None:
+        if not self.windows:
+            return None
+        return self.seconds / self.windows * max(0, self.cap - self.done)
+
+    def outlook(self, _now: float) -> str:
+        left = self.left()
+        if left is None or self.done >= self.cap:
+            return ""
+        return (f"; evaluation: {self.done}/{self.cap} windows, ~{progress.duration(left)} left if it reads all "
+                f"(measured {self.seconds / self.windows:.2g} s a window)")
+
+
 def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tokenizer, fixed_n: int | None = None):
     """Take looks until every check is decided (or the cap); fixed_n: evaluate exactly that many windows."""
     from quantlab.gate import checks as gate_checks
@@ -388,8 +414,15 @@ def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tok
     start = time.time()
     looks = [(design.look_of(fixed_n), fixed_n)] if fixed_n else list(enumerate(design.looks))
     found, look = [], 0
+    pace = _Pace(fixed_n or design.cap)
+    outer = progress.current()
+    if outer is not None:  # the evaluation step's line, and those of the blocks inside it, say what is left
+        outer.eta = lambda _t, now: pace.left()
+        outer.outlook = pace.outlook
     for look, n in looks:
+        t0, built = time.time(), blocks.built
         w, generated = blocks.windows(n)
+        pace.looked(n, time.time() - t0, blocks.built > built)
         gen = None
         if generated is not None:
             gen = _generation_record(gen_prompts, *generated, blocks.ref.cfg.gen_tokens, tokenizer)
@@ -532,9 +565,12 @@ def attribution(results: dict, engine: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the steps
-def _look_tokens(r) -> int:
+def _run_tokens(r) -> int:
+    """The tokens the plan prices an evaluation at: every window up to the cap (what a passing run reads: its tail
+    checks cannot pass before their windows are in, its mean checks rarely before; a failing run may stop earlier,
+    so this is an upper bound for it). Was: one look's windows, which priced a passing run 8-20x too low."""
     evalset = r.value("data:eval")
-    return min(evalset.num_windows, r.ctx.cfg.gate.statistical.look_windows) * evalset.seq_len
+    return evalset.num_windows * evalset.seq_len
 
 
 def reference_step(ctx: RunContext) -> Step:
@@ -557,7 +593,7 @@ def reference_step(ctx: RunContext) -> Step:
     return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
                 target=False,
                 work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
-                                          _look_tokens(r)))
+                                          _run_tokens(r)))
 
 
 def candidate_identity(spec: EngineSpec, r) -> str:
@@ -626,7 +662,7 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         from quantlab.stages.quantize import recipe_label
 
         return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
-                          r.value("prepare").num_params, _look_tokens(r))
+                          r.value("prepare").num_params, _run_tokens(r))
 
     needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
     return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,
