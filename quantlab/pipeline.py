@@ -41,6 +41,7 @@ def run_pipeline(cfg: Config, run_dir: Path, config_snapshot: dict, argv: list[s
     """Run one configuration into run_dir: every check before compute, the steps the run needs, the checkpoint's
     audit, the gate and the reports. Bad input raises QuantlabError (exit 2) before anything is computed."""
     start = time.time()
+    preflight.check_config(cfg)  # bad config: exit 2 before anything in run_dir is moved or written
     run_dir.mkdir(parents=True, exist_ok=True)
     set_aside_previous(run_dir)
     record: dict = {"run": _what_runs(cfg), "argv": argv, "config": config_snapshot, "versions": versions(),

@@ -191,3 +191,21 @@ def test_a_warm_rerun_names_each_reused_artifact_once(tiny_llama, tmp_path):
              if ": reusing " in ln]
     assert lines and len(lines) == len(set(lines)), lines
     assert sum("/evaluate/" in p for p in lines) >= 2  # several looks' blocks were read back
+
+
+# ------------------------------------------------------------------------ a refused rerun moves no good report aside
+def test_a_bad_config_rerun_leaves_the_good_run_in_place(tiny_llama, tmp_path):
+    """A run into a static run dir that passed, then the same dir with a bad value: exit 2 before anything there is
+    moved or written - the good run's reports stay where they were, nothing is set aside."""
+    cache = tmp_path / "c"
+    common = [f"model.path={tiny_llama}", *FAST, "hydra.run.dir=outputs/keep"]
+    good = run_cli(["+precision=fp8", *common], cwd=tmp_path, cache=cache)
+    assert good.returncode == 0, _show(good)
+    run = tmp_path / "outputs" / "keep"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".html")}
+    bad = run_cli(["+precision=fp8", *common, "eval.prefix_token=cls"], cwd=tmp_path, cache=cache)
+    assert bad.returncode == 2 and "prefix_token" in bad.stderr, _show(bad)
+    assert not (run / "previous").exists()
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".html")}
+    assert {k: v for k, v in after.items() if k != "status.json"} == \
+        {k: v for k, v in before.items() if k != "status.json"}
