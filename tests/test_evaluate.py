@@ -156,3 +156,26 @@ def test_reference_outputs_computed_once_per_sweep(tiny_llama, tmp_path):
                 tmp_path / precision)
         counts.append(read_json(tmp_path / precision / "metrics.json")["run"]["reference_forward_batches"])
     assert counts[0] > 0 and counts[1:] == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_numerics_probe_moves_every_dtype_by_its_last_bit(dtype):
+    """perturbed_inputs on a real Linear: the output moves in every dtype (in bfloat16 and float16 a relative 2^-21
+    rounds to exactly 1, so the probe uses the dtype's own last bit there), by about that relative amount, and the
+    model is unchanged afterwards."""
+    import torch
+
+    from quantlab.stages.evaluate import NUMERICS_EPS, perturbed_inputs
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    layer = torch.nn.Linear(64, 32).to(dt)
+    x = torch.randn(8, 64).to(dt)
+    base = layer(x)
+    with perturbed_inputs(layer) as n:
+        moved = layer(x)
+    assert n == 1 and not torch.equal(base, moved)
+    rel = float((moved.float() - base.float()).norm() / base.float().norm())
+    e = max(NUMERICS_EPS, float(torch.finfo(dt).eps))
+    assert 0.05 * e < rel < 20 * e, (rel, e)
+    assert torch.equal(layer(x), base) and not hasattr(layer, "_ql_signs") and not hasattr(layer, "_ql_pm")

@@ -446,9 +446,11 @@ NUMERICS_METRICS = {"top1_agreement": "agree", "ppl_ratio": "dnll", "kl_mean": "
 
 @contextlib.contextmanager
 def perturbed_inputs(model, eps: float = NUMERICS_EPS, seed: int = 0):
-    """Every linear layer's input times (1 + eps * s_k), s_k a seeded sign per input channel: the last-bit
-    differences another CPU's (or GPU's) matrix kernels make, in one place. A quantizer of activations turns some of
-    them into a different rounding, and the metrics move by what the run's printed digits cannot hold."""
+    """Every linear layer's input times (1 + e * s_k), s_k a seeded sign per input channel, e = eps or the input
+    dtype's own last bit where that is coarser (bfloat16 2^-7, float16 2^-10: 1 + 2^-21 would round to exactly 1
+    there and the probe would measure nothing): the last-bit differences another CPU's (or GPU's) matrix kernels
+    make, in one place. A quantizer of activations turns some of them into a different rounding, and the metrics
+    move by what the run's printed digits cannot hold."""
     import torch
 
     handles, gen = [], torch.Generator().manual_seed(seed)
@@ -459,7 +461,8 @@ def perturbed_inputs(model, eps: float = NUMERICS_EPS, seed: int = 0):
             return None
         signs = module._ql_signs
         if signs.device != x.device or signs.dtype != x.dtype:
-            signs = module._ql_signs = signs.to(x.device, x.dtype)
+            e = max(eps, float(torch.finfo(x.dtype).eps))
+            signs = module._ql_signs = (1 + e * module._ql_pm.to(x.device)).to(x.dtype)
         return (x * signs, *args[1:])
 
     for module in model.modules():
@@ -467,7 +470,8 @@ def perturbed_inputs(model, eps: float = NUMERICS_EPS, seed: int = 0):
         if not isinstance(width, int) or not (isinstance(module, torch.nn.Linear) or type(module).__name__.endswith(
                 "Linear")):
             continue
-        module._ql_signs = 1 + eps * (torch.randint(0, 2, (width,), generator=gen).float() * 2 - 1)
+        module._ql_pm = torch.randint(0, 2, (width,), generator=gen).float() * 2 - 1
+        module._ql_signs = 1 + eps * module._ql_pm
         handles.append(module.register_forward_pre_hook(hook))
     try:
         yield len(handles)
@@ -476,7 +480,7 @@ def perturbed_inputs(model, eps: float = NUMERICS_EPS, seed: int = 0):
             h.remove()
         for module in model.modules():
             if hasattr(module, "_ql_signs"):
-                del module._ql_signs
+                del module._ql_signs, module._ql_pm
 
 
 def numerics_noise(blocks: CandidateBlocks, n_used: int) -> dict:
