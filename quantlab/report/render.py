@@ -1,10 +1,13 @@
 r"""Reports for reviewers: report.md (a pull-request comment) and report.html (self-contained, plots inline).
 
-Jinja2 renders both. HTML autoescapes every value; Markdown strings go through |md (HTML-escaped, Markdown
-punctuation backslash-escaped, line breaks folded), so a model name or generated text can neither run a script
-nor add a heading, link, image or table cell to a pull-request comment. Paths and commands go through |shell
-(quoted as bash reads them, hostile characters as $'\xNN' escapes) and |code (a code span, or escaped text when
-a code span could not hold the value safely): no raw HTML from a name reaches any Markdown file.
+Jinja2 renders both. HTML autoescapes every value. Markdown strings go through |md, which escapes only what
+could act where the value lands, so report.md reads as written in a terminal or a CI log (`>=`, `2.13.0`, `Q&A`)
+and a model name or generated text can neither run a script nor add a heading, link, image or table cell to a
+pull-request comment: a string that could open raw HTML (`<` before a letter, `/`, `!` or `?`, an entity) is
+HTML-escaped whole; Markdown punctuation that acts anywhere in a line is backslash-escaped; what acts only at a
+line's start (a heading, a list, a quote) is escaped there; line breaks are folded. Paths and commands go through
+|shell (quoted as bash reads them, hostile characters as $'\xNN' escapes) and |code (a code span, or escaped text
+when a code span could not hold the value safely): no raw HTML from a name reaches any Markdown file.
 """
 from __future__ import annotations
 
@@ -25,16 +28,28 @@ log = logging.getLogger("quantlab")
 # what acts anywhere in a line: escapes, code spans, emphasis, links and images, table cells, strikethrough,
 # autolinks; an underscore only where it can open or close emphasis (not between letters or digits: int8_sq)
 _MD_SPECIAL = re.compile(r"([\\`*{}\[\]|~])|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
-_MD_LINE_START = re.compile(r"^(\s*)([#+\-=>]|\d+(?=[.)]))")  # headings, lists, rules, quotes at a line's start
+# what acts only at a line's start (CommonMark): a quote (>), an ATX heading (1-6 #, then a blank or the end), a
+# bullet (+ or -, then a blank or the end), a thematic break or setext underline (--- ===), an ordered list
+# (1-9 digits, . or ), then a blank or the end). "2.13.0", "-0.5", "#3" or "=x" start no block and stay as written.
+_MD_LINE_START = re.compile(r"^(\s*)(>|#(?=#{0,5}(?:\s|$))|[+\-=](?=\s|$|[+\-=])|\d{1,9}(?=[.)](?:\s|$)))")
+# what could open raw HTML, an autolink or a character reference: < before a letter, /, ! or ? (a tag, a comment,
+# a declaration, <http:...>), an entity or numeric reference, and a < or & that ends the value (the template's
+# next character could complete it). A string holding one is HTML-escaped whole; in any other, <, > and & cannot
+# act in Markdown (a <= 1.1, kl > 0.5, Q&A) and stay as written.
+_HTML_OPENING = re.compile(r"<(?:[A-Za-z/!?]|$)|&(?:[A-Za-z][A-Za-z0-9]{0,31};|#[0-9]{1,7};|#[xX][0-9a-fA-F]{1,6};|$)")
 
 
 def md_escape(value) -> str:
-    """Any string made safe for one Markdown line or table cell: HTML-escaped (no tag or entity survives),
-    every character that acts anywhere in a line escaped, what acts only at a line's start escaped there, control
-    characters and line breaks folded into spaces. What cannot act stays as written (int8_sq, smollm2-135m)."""
+    """Any string made safe for one Markdown line or table cell, escaped only where a character could act:
+    HTML-escaped whole when it could open a tag, an autolink or an entity (no tag or entity survives), every
+    character that acts anywhere in a line backslash-escaped, what acts only at a line's start escaped there, control
+    characters and line breaks folded into spaces. What cannot act stays as written (int8_sq, smollm2-135m,
+    top1_agreement >= 0.8, torch 2.13.0, Q&A)."""
     text = "" if value is None else str(value)
     text = "".join(" " if (ord(ch) < 32 or ch in "\u2028\u2029\x7f") else ch for ch in text)
-    text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), html.escape(text, quote=False))
+    if _HTML_OPENING.search(text):
+        text = html.escape(text, quote=False)
+    text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), text)
     return _MD_LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2).isdigit()
                               else m.group(1) + m.group(2) + "\\", text, count=1)
 
@@ -111,7 +126,7 @@ def write_run_reports(run_dir: Path, doc: dict, kl_values, weight_rows: list[dic
     figures = [("Perplexity per window", plots.ppl_per_window(doc["windows"])),
                ("Top-1 agreement and KL along the window", plots.along_position(doc["positions"])),
                ("Distribution of per-position KL", plots.kl_histogram(kl_values)),
-               ("Weight SQNR per linear layer", plots.sqnr_bars(weight_rows))]
+               ("Weight SQNR per linear layer, by depth and role", plots.weight_sqnr(weight_rows))]
     env = environment()
     ctx = context(doc, figures)
     write_text_atomic(run_dir / "report.md", env.get_template("report.md.j2").render(ctx))
