@@ -76,7 +76,8 @@ def embedded_key(cfg: ModelConfig, store: ArtifactStore) -> str:
     transformers version (exit 2 when the embedded model's package is not installed)."""
     gguf = _embedded_file(cfg)
     sha = _assembler(cfg.embedded).EXPECTED_SHA256 if cfg.embedded.parts else _file_sha(gguf)
-    return store.key("prepare", gguf=sha, arch=cfg.embedded.architecture, transformers=versions()["transformers"])
+    return store.key("prepare", gguf=sha, arch=cfg.embedded.architecture, transformers=versions()["transformers"],
+                     tokenizer="round-trip checked")
 
 
 def _assembler(emb):
@@ -134,8 +135,45 @@ def _convert_file(cfg: ModelConfig, gguf: Path, out: Path) -> dict:
     # Models read from GGUF carry no `architectures`; ModelOpt's exporter needs it.
     plain.config.architectures = [cfg.embedded.architecture]
     plain.save_pretrained(out, safe_serialization=True)
+    how = save_tokenizer(tok, out)
+    return {"gguf": gguf.name, "note": cfg.embedded.note, "tokenizer": how}
+
+
+def _encodes_alike(tok, out: Path) -> bool:
+    """Whether the tokenizer saved in out encodes a sample (words, code, accents, spaces) exactly as tok does."""
+    from transformers import AutoTokenizer
+
+    from quantlab.audit.tokenizer import TOKENIZER_SAMPLE
+
+    saved = AutoTokenizer.from_pretrained(out)
+    text = TOKENIZER_SAMPLE + " = Valkyria Chronicles III = \n\n Senjō no Valkyria"
+    return all(tok(text, add_special_tokens=add)["input_ids"] == saved(text, add_special_tokens=add)["input_ids"]
+               for add in (False, True))
+
+
+def save_tokenizer(tok, out: Path) -> str:
+    """Save the tokenizer transformers read from the GGUF so that it loads back encoding exactly alike: its own
+    save_pretrained where that round-trips, else the tokenizers object it wraps as a PreTrainedTokenizerFast (a
+    GGUF Gemma-3 tokenizer is a Unigram model, which transformers 5's GemmaTokenizer reloads as a BPE without merges:
+    one token per character, perplexity ~10x). Returns which; exit 3 when neither round-trips."""
     tok.save_pretrained(out)
-    return {"gguf": gguf.name, "note": cfg.embedded.note}
+    if _encodes_alike(tok, out):
+        return "save_pretrained"
+    from transformers import PreTrainedTokenizerFast
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "chat_template.jinja"):
+        (out / name).unlink(missing_ok=True)
+    specials = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
+                if getattr(tok, k, None) is not None}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **specials)
+    if getattr(tok, "chat_template", None):
+        fast.chat_template = tok.chat_template
+    fast.save_pretrained(out)
+    if not _encodes_alike(tok, out):
+        raise RuntimeError(f"the tokenizer of {out.name} does not load back encoding as the GGUF's does")
+    log.info("tokenizer saved as PreTrainedTokenizerFast: its own class does not load back encoding alike")
+    return "PreTrainedTokenizerFast"
 
 
 def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
