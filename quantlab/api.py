@@ -61,6 +61,9 @@ def execute(cfg: Config, run_dir: Path, snapshot: dict, argv: list[str]) -> RunR
             from quantlab.search.driver import run_search
 
             return run_search(cfg, run_dir, snapshot, argv)
+        from quantlab import preflight
+
+        preflight.check_config(cfg)  # pure config checks before the pipeline (and torch) is imported
         from quantlab.pipeline import run_pipeline
 
         return run_pipeline(cfg, run_dir, snapshot, argv)

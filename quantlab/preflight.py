@@ -38,6 +38,16 @@ def check_config(cfg: Config) -> None:
     if cfg.precision is None:
         raise QuantlabError("no precision chosen", fix="add +precision=fp8 (or int8_sq, int4_awq, w4a8_awq, nvfp4)")
     check_no_empty_values(cfg)
+    if cfg.model.path:  # the cheapest refusal first: before torch is imported or the run dir is touched
+        from pathlib import Path
+
+        path = Path(cfg.model.path).expanduser()
+        if not path.exists():
+            raise QuantlabError(f"model.path {path} does not exist",
+                                fix="point model.path at a Hugging Face checkpoint directory")
+        if not path.is_dir():
+            raise QuantlabError(f"model.path {path} is not a directory",
+                                fix="point model.path at the directory holding config.json")
     precision = precision_of(cfg.precision)
     _check_counts(cfg)
     parse_block_size(cfg.precision)

@@ -209,3 +209,18 @@ def test_a_bad_config_rerun_leaves_the_good_run_in_place(tiny_llama, tmp_path):
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".html")}
     assert {k: v for k, v in after.items() if k != "status.json"} == \
         {k: v for k, v in before.items() if k != "status.json"}
+
+
+# ------------------------------------------------------------------------------- the cheapest refusal comes first
+def test_a_missing_model_path_is_refused_before_torch_is_imported(tmp_path):
+    """A model.path that does not exist: exit 2 naming it, and torch is never imported (it costs seconds, 30 under
+    load): the refusal needs only the file system."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "quantlab", "+precision=fp8",
+                          f"model.path={tmp_path / 'nowhere'}"], cwd=tmp_path, env=cli_env(tmp_path / "c"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "does not exist" in res.stderr, _show(res)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "quantlab" in imported and "torch" not in imported and "transformers" not in imported
