@@ -1103,7 +1103,7 @@ def test_audit_step_is_cached_and_audits_external_checkpoints(exports, tiny_llam
         ctx = context(cfg)
         step = audit_stage.step(ctx)
         assert (step.name, step.stage, step.directory) == ("audit", "export", "audit")
-        assert step.needs == ("export", "prepare")
+        assert step.needs == ("export", "prepare", "data:eval")  # the canary reads the evaluation's prefix
         steps = steps_for(ctx)
         assert [s.name for s in steps].index("audit") == [s.name for s in steps].index("export") + 1
         run = Executor(ctx, steps)

@@ -55,7 +55,7 @@ def test_wall_time_is_split_into_computed_seconds_and_cache_hits(sweep):
     assert first["reused_steps"] == [] and first["reused_s"] == 0 and first["computed_s"] == first["wall_time_s"]
     assert {e["action"] for e in _record(runs[2])["events"]} == {"reused"}  # the premise: a cache hit
     assert again["reused_steps"] == ["data:calib", "data:eval", "export", "audit", "evaluate:torch"]
-    assert again["reused_s"] > 0 and again["computed_s"] < first["computed_s"] / 3
+    assert again["reused_s"] > 0  # (no comparison of seconds between runs: a loaded machine decides those)
     assert kv_fp8["reused_steps"] == ["data:calib", "data:eval", "reference"]
     header, cells = _md_table(md.read_text())
     assert "wall (s)" not in header and header[-2:] == ["computed (s)", "cache hits (s)"]
