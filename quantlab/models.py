@@ -167,7 +167,8 @@ def local_name(path: Path) -> str:
     return name
 
 
-def _local(path: str | Path, trust_remote_code: bool = False) -> ModelRef:
+def check_model_dir(path: str | Path) -> Path:
+    """model.path as a directory that exists (exit 2 otherwise); file system only, nothing imported."""
     path = Path(path).expanduser()
     if not path.exists():
         raise QuantlabError(f"model.path {path} does not exist",
@@ -175,6 +176,11 @@ def _local(path: str | Path, trust_remote_code: bool = False) -> ModelRef:
     if not path.is_dir():
         raise QuantlabError(f"model.path {path} is not a directory",
                             fix="point model.path at the directory holding config.json")
+    return path
+
+
+def _local(path: str | Path, trust_remote_code: bool = False) -> ModelRef:
+    path = check_model_dir(path)
     config = _read_config(path)
     _check_causal_lm(path, config, trust_remote_code)
     _check_not_quantized(path, config)

@@ -39,15 +39,9 @@ def check_config(cfg: Config) -> None:
         raise QuantlabError("no precision chosen", fix="add +precision=fp8 (or int8_sq, int4_awq, w4a8_awq, nvfp4)")
     check_no_empty_values(cfg)
     if cfg.model.path:  # the cheapest refusal first: before torch is imported or the run dir is touched
-        from pathlib import Path
+        from quantlab.models import check_model_dir
 
-        path = Path(cfg.model.path).expanduser()
-        if not path.exists():
-            raise QuantlabError(f"model.path {path} does not exist",
-                                fix="point model.path at a Hugging Face checkpoint directory")
-        if not path.is_dir():
-            raise QuantlabError(f"model.path {path} is not a directory",
-                                fix="point model.path at the directory holding config.json")
+        check_model_dir(cfg.model.path)
     precision = precision_of(cfg.precision)
     _check_counts(cfg)
     parse_block_size(cfg.precision)
