@@ -189,6 +189,45 @@ def check_run_dir_free(args: list[str]) -> None:
         probe.release()
 
 
+def check_config_first(args: list[str]) -> None:
+    """A single run's pure config checks (quantlab.preflight.check_config), made before Hydra creates the run
+    directory or writes its .hydra/ files and log there: a refused run leaves no directory named like a run, and a
+    refused rerun into a static hydra.run.dir changes nothing of the run that is there. A config that does not
+    compose is left to Hydra, which says why before it writes anything. Searches check their own config."""
+    task = [a for a in args if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    if any(a.lstrip("+").startswith("search=") for a in task):
+        return
+    from quantlab import preflight
+    from quantlab.compose import compose
+
+    try:
+        cfg, _ = compose(task)
+    except QuantlabError as exc:
+        if "does not compose" in str(exc):
+            return
+        raise
+    preflight.check_config(cfg)
+
+
+def _refused_dir(run_dir: Path) -> Path:
+    """A run refused after Hydra made its default (timestamped) directory: the directory is renamed with a
+    "_refused" suffix, so that nothing named like a run holds a run that never ran; its run.json and log say why.
+    A directory the user named (hydra.run.dir=...) or a sweep's job directory keeps its name."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    given = any(o.lstrip("+").startswith("hydra.run.dir=") for o in hc.overrides.hydra)
+    if given or hc.mode.name == "MULTIRUN" or not run_dir.is_dir():
+        return run_dir
+    target = run_dir.with_name(run_dir.name + "_refused")
+    try:
+        run_dir.rename(target)
+    except OSError:
+        return run_dir
+    print(f"quantlab: the refused run's log and run.json: {target}", file=sys.stderr)
+    return target
+
+
 def _pin_sweep_dir(args: list[str]) -> tuple[list[str], Path]:
     """Fix the sweep directory before Hydra launches, so that the exit codes of its jobs can be read back."""
     given = next((a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra.sweep.dir=")), None)
@@ -224,6 +263,8 @@ def _task(dict_cfg) -> None:
     except QuantlabError as exc:
         print(f"\nquantlab: error: {exc}", file=sys.stderr)
         code, error = exc.exit_code, str(exc)
+        if code == EXIT_BAD_INPUT:
+            run_dir = _refused_dir(run_dir)
     except KeyboardInterrupt:
         print("\nquantlab: interrupted; finished artifacts are kept, rerun the same command to resume", file=sys.stderr)
         code, error = EXIT_INTERRUPTED, "interrupted"
@@ -264,6 +305,8 @@ def _main(args: list[str]) -> int:
             args = check_argv(args)
         if not plan_only:
             check_output_dir(args, multirun)
+            if not multirun and not any(a in HYDRA_FLAGS for a in args):
+                check_config_first(args)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

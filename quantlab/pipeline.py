@@ -90,12 +90,15 @@ class _Run:
         self.data_warnings: list[str] = []  # what the evaluation text makes of the verdict (calibration overlap)
         self.runlog: progress.RunLog | None = None
         self._history: list[dict] | None = None
+        self.planned: dict[str, dict] = {}  # step -> the seconds predicted as its build started, and from what
 
     def reported(self, step: Step) -> Step:
         """The step with its build reported by quantlab.progress (label, ETA from earlier builds or the cost model)
         and what libraries print while it builds or loads sent to the run's log."""
         def build(out, r, _build=step.build):
             expected, basis = self.expected(step, r)
+            self.planned[step.name] = {"planned_s": None if expected is None else round(expected, 2),
+                                       "basis": basis or "nothing predicts it (no earlier build, no cost model)"}
             with progress.library_output(), progress.task(step.describe or step.name, expected=expected,
                                                           basis=basis, separate=True):
                 return _build(out, r)
@@ -308,8 +311,26 @@ class _Run:
             log.info("%s", said)
             self.record["library_warnings"] = dict(self.runlog.warnings.counts)
         self.record["stage_seconds"] = run.seconds
+        self.record["plan"] = plan_vs_actual(self.planned, run.seconds)
         self.record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
         return finish(self.run_dir, self.record, self.start, code, what, doc)
+
+
+def plan_vs_actual(planned: dict[str, dict], seconds: dict[str, float]) -> dict:
+    """run.json's "plan": for every step this run built, the seconds predicted as it started (the figure the plan
+    and the progress line showed) beside the seconds it took, and the relative error; the totals over the steps
+    that had a prediction. Steps read from the cache are not in it (the plan says "cached" for them)."""
+    steps, planned_total, actual_total = {}, 0.0, 0.0
+    for name, p in planned.items():
+        actual = seconds.get(name)
+        row = {**p, "actual_s": actual, "error": None}
+        if p["planned_s"] and actual is not None:
+            row["error"] = round(actual / p["planned_s"] - 1, 3)
+            planned_total += p["planned_s"]
+            actual_total += actual
+        steps[name] = row
+    return {"steps": steps, "planned_s": round(planned_total, 2), "actual_s": round(actual_total, 2),
+            "error": round(actual_total / planned_total - 1, 3) if planned_total else None}
 
 
 BLIND_SHARE_WEAK = 0.10  # a verdict blind to faults in more than this share of the text is weak evidence

@@ -22,7 +22,7 @@ from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, Qua
 log = logging.getLogger("quantlab")
 # what a run writes into its directory: a rerun into the same directory moves an earlier run's copies aside
 REPORT_FILES = ("metrics.json", "report.md", "report.html", "junit.xml", "run.json", "checkpoint", "traceback.txt",
-                "audit.json")
+                "audit.json", "status.json")
 SEARCH_FILES = ("search.json", "frontier.png", "winner", "evals")
 RUN_JSON = "run.json"
 STATUS = "status.json"  # a CLI job's exit code and error, written by quantlab.cli into its run directory

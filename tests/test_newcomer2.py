@@ -62,6 +62,9 @@ def test_a_gate_the_text_cannot_pass_is_refused_before_calibration_and_the_fix_w
     res = run_cli(args, cwd=tmp_path, cache=cache)
     assert res.returncode == 2, _show(res)
     err = res.stderr
+    runs = [d.name for d in (tmp_path / "outputs").iterdir()]  # refused in the run: not named like a run
+    assert runs and all(name.endswith("_refused") for name in runs), runs
+    assert read_json(tmp_path / "outputs" / runs[0] / "run.json")["exit_code"] == 2
     assert "can never pass with" in err and "the evaluation text gives" in err and "Traceback" not in err
     assert "calibrating" not in res.stdout + err and not (cache / "quantize").exists()  # before calibration
     assert "eval.max_windows=" not in err  # the cap is not what limits it: the text is short
@@ -202,13 +205,49 @@ def test_a_bad_config_rerun_leaves_the_good_run_in_place(tiny_llama, tmp_path):
     good = run_cli(["+precision=fp8", *common], cwd=tmp_path, cache=cache)
     assert good.returncode == 0, _show(good)
     run = tmp_path / "outputs" / "keep"
-    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".html")}
+
+    def files():
+        return {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()
+                and "checkpoint" not in p.parts}
+
+    before = files()
+    assert "status.json" in before and ".hydra/overrides.yaml" in before
     bad = run_cli(["+precision=fp8", *common, "eval.prefix_token=cls"], cwd=tmp_path, cache=cache)
     assert bad.returncode == 2 and "prefix_token" in bad.stderr, _show(bad)
     assert not (run / "previous").exists()
-    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".html")}
-    assert {k: v for k, v in after.items() if k != "status.json"} == \
-        {k: v for k, v in before.items() if k != "status.json"}
+    assert files() == before  # not status.json, not Hydra's .hydra/ files, not the log: the good run's own
+
+
+def test_a_bad_config_makes_no_run_directory(tiny_llama, tmp_path):
+    """A value the config checks refuse, with Hydra's default (timestamped) run dir: exit 2, and outputs/ holds
+    nothing that looks like a run."""
+    bad = run_cli(["+precision=fp8", f"model.path={tiny_llama}", *FAST, "eval.prefix_token=cls"], cwd=tmp_path,
+                  cache=tmp_path / "c")
+    assert bad.returncode == 2 and "prefix_token" in bad.stderr and "Traceback" not in bad.stderr, _show(bad)
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").iterdir())
+
+
+# ------------------------------------------------------------------------------------------- plan against actual
+def test_run_json_records_the_plan_beside_what_each_step_took(tiny_llama, tmp_path):
+    """A second precision after a first: every step it builds has the seconds predicted as it started (from the
+    first's cost records) beside the seconds it took; cached steps are not in the plan."""
+    cache = tmp_path / "c"
+    common = [f"model.path={tiny_llama}", *FAST]
+    first = run_cli(["+precision=fp8", *common, "hydra.run.dir=outputs/a"], cwd=tmp_path, cache=cache)
+    assert first.returncode in (0, 1), _show(first)
+    second = run_cli(["+precision=int8_sq", *common, "hydra.run.dir=outputs/b"], cwd=tmp_path, cache=cache)
+    assert second.returncode in (0, 1), _show(second)
+    plan = read_json(tmp_path / "outputs" / "b" / "run.json")["plan"]
+    steps = plan["steps"]
+    assert "quantize" in steps and "prepare" not in steps and "reference" not in steps  # shared: cached
+    for name in ("quantize", "export"):
+        row = steps[name]
+        assert row["planned_s"] and row["planned_s"] > 0 and row["actual_s"] > 0, row
+        assert abs(row["error"] - (row["actual_s"] / row["planned_s"] - 1)) < 1e-2
+    assert plan["planned_s"] > 0 and plan["actual_s"] > 0
+    first_plan = read_json(tmp_path / "outputs" / "a" / "run.json")["plan"]
+    assert {"quantize", "export"} <= set(first_plan["steps"])  # the first run built them
+    assert all(row["basis"] for row in first_plan["steps"].values())  # every prediction says what it came from
 
 
 # ------------------------------------------------------------------------------- the cheapest refusal comes first
