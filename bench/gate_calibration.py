@@ -181,20 +181,17 @@ def gate_vectorized(values: dict, ids: np.ndarray, design, tails=None, checks_=N
     """The gate's decisions on [sims, n] per-window values of every check: for each check its final verdict
     (1 pass, -1 fail, 0 undecided left open because another check failed) and the windows the gate used. The rule
     of quantlab.gate.checks: every check re-decided at every look with stats.interval (documents as clusters) at the
-    look's boundary; each tail check with stats.tail_boundaries and the Clopper-Pearson lower bound; stop when every
-    check is decided or one failed; undecided at the cap fails."""
-    from scipy import stats as st
-
+    look's boundary; each tail check with stats.tail_verdicts (the count's exact boundary and Clopper-Pearson lower
+    bound, and the latent quantile bound with documents as clusters); stop when every check is decided or one
+    failed; undecided at the cap fails."""
     from quantlab.gate import stats
 
-    checks_ = checks_ or CHECKS
-    tails = tails or TAILS
+    checks_ = CHECKS if checks_ is None else checks_
+    tails = TAILS if tails is None else tails
     sims = next(iter(values.values())).shape[0]
     open_ = np.ones(sims, dtype=bool)
     final = {name: np.zeros(sims, dtype=np.int8) for name in [*checks_, *tails]}
     used = np.full(sims, design.cap)
-    bounds = {name: stats.tail_boundaries(design.looks, share, design.alpha, design.kind, design.gamma)
-              for name, (_, share, _) in tails.items()}
     for k, n in enumerate(design.looks):
         clusters = stats.Clusters(ids[:n])
         df = None if clusters.singletons else clusters.df
@@ -204,11 +201,14 @@ def gate_vectorized(values: dict, ids: np.ndarray, design, tails=None, checks_=N
             _, lo, hi, _ = stats.interval(values[key][:, :n], c, clusters)
             passed, failed = (lo >= threshold, hi < threshold) if hib else (hi <= threshold, lo > threshold)
             verdicts[name] = np.where(passed & design.passable(k), 1, np.where(failed & ~passed, -1, 0))
-        level = stats._phi(-design.z_boundary(k))
         for name, (key, share, bound) in tails.items():
-            count = (tail_values(values, key)[:, :n] > bound).sum(1)
-            lower = np.where(count > 0, st.beta.ppf(level, np.maximum(count, 1), n - count + 1), 0.0)
-            verdicts[name] = np.where(count <= bounds[name][k], 1, np.where(lower > share, -1, 0))
+            x = tail_values(values, key)[:, :n]
+            above = above_of(key, bound)  # the gate's own test on the values it reads
+            quantity = (np.exp(x) if key == "dnll" else x)[open_]  # gates still open only: the others are settled
+            verdicts[name] = np.zeros(sims, dtype=np.int64)
+            verdicts[name][open_] = stats.tail_verdicts(~(quantity <= above), share, design, k,
+                                                        stats.tail_latent(quantity, above), math.log(above),
+                                                        clusters)[0]
         decided = np.all([v != 0 for v in verdicts.values()], axis=0)
         any_fail = np.any([v == -1 for v in verdicts.values()], axis=0)
         stop = open_ & (decided | any_fail | (k == len(design.looks) - 1))
@@ -225,18 +225,19 @@ def above_of(key: str, bound: float) -> float:
     return math.exp(bound) if key == "dnll" else bound
 
 
-def gate_real(values: dict, ids: np.ndarray, design, sims: int) -> dict:
+def gate_real(values: dict, ids: np.ndarray, design, sims: int, thresholds: dict | None = None) -> dict:
     """The same decisions through quantlab.gate.checks on real Windows objects (one position per window carrying
-    the window's value; agreement as 512 positions), for the first `sims` simulated gates."""
+    the window's value; agreement as 512 positions), for the first `sims` simulated gates (the default gate's
+    thresholds unless given)."""
     from quantlab.gate import checks
     from quantlab.gate.config import Threshold
     from quantlab.gate.metrics import Windows
 
-    thresholds = {"top1_agreement": Threshold(min=CHECKS["top1_agreement"][1]),
-                  "ppl_ratio": Threshold(max=1.10), "kl_mean": Threshold(max=CHECKS["kl_mean"][1]),
-                  **{name: Threshold(max=share, above=above_of(key, bound))
-                     for name, (key, share, bound) in TAILS.items()}}
-    out = {name: np.zeros(sims, dtype=np.int8) for name in [*CHECKS, *TAILS]}
+    thresholds = thresholds or {"top1_agreement": Threshold(min=CHECKS["top1_agreement"][1]),
+                                "ppl_ratio": Threshold(max=1.10), "kl_mean": Threshold(max=CHECKS["kl_mean"][1]),
+                                **{name: Threshold(max=share, above=above_of(key, bound))
+                                   for name, (key, share, bound) in TAILS.items()}}
+    out = {name: np.zeros(sims, dtype=np.int8) for name in thresholds}
     used = np.zeros(sims, dtype=np.int64)
     t = 512
     for s in range(sims):
@@ -322,8 +323,9 @@ def simulate(rng, row: Row, ids, sims: int, target: str | None, shift: float = 0
     return values
 
 
-def mde_at_cap(rng, row: Row, ids, design, target: str, sims: int = 2000, pool=None) -> float:
-    """The MDE the gate reports for `target` at the cap on data at the threshold (mean over simulated gates)."""
+def mde_at_cap(rng, row: Row, ids, design, target: str, sims: int = 2000, pool=None, quantiles=None):
+    """The MDE the gate reports for `target` at the cap on data at the threshold (mean over simulated gates; with
+    quantiles, those quantiles of it over the simulated runs)."""
     from quantlab.gate import stats
 
     key, threshold, hib = CHECKS[target]
@@ -333,9 +335,9 @@ def mde_at_cap(rng, row: Row, ids, design, target: str, sims: int = 2000, pool=N
     k = len(design.looks) - 1
     c = design.t_boundary(k, design.cap, df)
     mean, lo, hi, se = stats.interval(values, c, clusters)
-    mde = stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df)) / stats._c4(df or design.cap - 1) \
-        * stats.MDE_SAFETY
-    return float(np.mean(mde))
+    mde = stats.reported_mde(stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df)),
+                             df or design.cap - 1)[0]
+    return float(np.mean(mde)) if quantiles is None else [float(np.quantile(mde, q)) for q in quantiles]
 
 
 def gate_design(cap: int, alpha: float, beta: float):
@@ -487,6 +489,149 @@ def real_shape(paths: list[str], layouts) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------ issue 42: tails, MDE
+TAIL_SIGMAS = (0.3, 1.0)  # latent (log-scale) sd of a tail check's windows: real runs 0.1-0.2; 1.0 with the floor
+DOC_SHARES = (0.0, 0.3, 0.5)  # share of the latent variance the documents explain
+TAIL_CASES = (("type_I", 0.05), ("good 1%", 0.01), ("good 0.1%", 0.001), ("bad 15%", 0.15))
+
+
+def latent_tail(rng, ids, sims: int, key: str, bound: float, share: float, sigma: float, doc_share: float):
+    """[sims, n] per-window values of a tail check's quantity, as the bench stores it (KL, dNLL, top-1
+    disagreement), log-normal on the latent scale with documents explaining doc_share of the latent variance and
+    the population share beyond the gate's bound exactly `share`: log value = log B + sigma (Z - z_{1-share})."""
+    from quantlab.gate import stats
+
+    z = correlated(rng, ids, sims, doc_share, 0.0)
+    latent = math.log(above_of(key, bound)) + sigma * (z - stats.z(1 - share))
+    if key == "dnll":
+        return latent.astype(np.float32).astype(np.float64)
+    x = np.exp(latent)
+    if key == "disagree":  # a share of 512 positions
+        return np.clip(np.round(x * 512) / 512, 0.0, 1.0)
+    return x.astype(np.float32).astype(np.float64)
+
+
+def tail_values_for(rng, ids, sims: int, name: str, share: float, sigma: float, doc_share: float) -> dict:
+    """Every check's values for one latent tail row: the means healthy, the other tails an independent healthy draw,
+    `name` latent at `share`."""
+    row = Row("", doc_share, 1.0)
+    values = simulate(rng, row, ids, sims, None)
+    for key in ("kl", "dnll", "agree"):
+        level, sd = HEALTHY[key]
+        draw = metric_values(rng, ids, sims, row, key, 1 - level if key == "agree" else level, sd,
+                             np.zeros((sims, ids.size), dtype=bool))
+        values["tail:disagree" if key == "agree" else f"tail:{key}"] = 1 - draw if key == "agree" else draw
+    key, _, bound = TAILS[name]
+    values[f"tail:{key}"] = latent_tail(rng, ids, sims, key, bound, share, sigma, doc_share)
+    return values
+
+
+def verified_tail(rng, ids, design, name: str, share: float, sigma: float, doc_share: float, gates: int) -> dict:
+    """The tail check alone through quantlab.gate.checks.evaluate_checks / settled / finish on real Windows objects
+    (its quantity carried by the windows) against the vectorized gate with only that check: same verdicts and
+    windows, gate for gate."""
+    key, tshare, bound = TAILS[name]
+    x = latent_tail(rng, ids, gates, key, bound, share, sigma, doc_share)
+    values = {"kl": np.full((gates, ids.size), 0.03), "dnll": np.full((gates, ids.size), 0.03),
+              "agree": np.full((gates, ids.size), 0.9)}
+    values["agree" if key == "disagree" else key] = 1 - x if key == "disagree" else x
+    from quantlab.gate.config import Threshold
+
+    res = gate_vectorized(values, ids, design, {name: TAILS[name]}, {})
+    real = gate_real(values, ids, design, gates, {name: Threshold(max=tshare, above=above_of(key, bound))})
+    if not (np.array_equal(real["final"][name], res["final"][name]) and np.array_equal(real["used"], res["used"])):
+        raise SystemExit(f"vectorized and real gate differ: latent tail {name} {share} {sigma} {doc_share}")
+    return {"gates": gates, "identical": True}
+
+
+def latent_tail_rows(rng, layouts, names: list[str], args) -> list[dict]:
+    """Issue 42 item 1: each tail check with its windows log-normal on the latent scale, documents explaining 0, 30
+    or 50% of the latent variance, the population share beyond the bound at the threshold (type-I), well inside it
+    (1% and 0.1%: power), at the MDE the gate states at the cap, and clearly bad (15%: the share of gates in which
+    the check does not pass). The whole default gate runs (means healthy). From args: sims, alpha, beta, verify,
+    tail_sigmas (the latent sds) and tail_cases (only these cases; all when empty)."""
+    sims, verify = args.sims, args.verify
+    sigmas = tuple(float(x) for x in args.tail_sigmas.split(","))
+    cases = tuple(args.tail_cases.split(",")) if args.tail_cases else None
+    from quantlab.gate import stats
+
+    out = []
+    for lay in names:
+        ids = layout(lay, layouts)
+        design = gate_design(ids.size, args.alpha, args.beta)
+        for doc_share in (DOC_SHARES if lay != "independent" else (0.0,)):
+            for sigma in sigmas:
+                for name in TAILS:
+                    target = TAILS[name][1]
+                    last = len(design.looks) - 1
+                    stated = stats.decide_tail(np.zeros(ids.size), target, design, last, np.zeros(ids.size),
+                                               1.0, stats.Clusters(ids)).mde
+                    for what, share in (*TAIL_CASES, ("at stated MDE", target - stated)):
+                        if cases is not None and what not in cases:
+                            continue
+                        values = tail_values_for(rng, ids, sims, name, share, sigma, doc_share)
+                        res = gate_vectorized(values, ids, design)
+                        p = float((res["final"][name] == 1).mean())
+                        lo, hi = wilson(p, sims)
+                        entry = {"layout": lay, "doc_share": doc_share, "sigma": sigma, "check": name, "what": what,
+                                 "share": share, "sims": sims, "pass_rate": p, "ci95": [lo, hi],
+                                 "not_pass_rate": 1 - p, "mean_windows": float(res["used"].mean())}
+                        if verify and what == "type_I":
+                            entry["verified"] = verified_tail(rng, ids, design, name, share, sigma, doc_share,
+                                                              verify)
+                        out.append(entry)
+                        print(f"tail {lay:10s} docs {doc_share:.0%} sigma {sigma:.1f} {name:9s} {what:13s} share "
+                              f"{share:.4g}: pass {p:.4f} [{lo:.4f}, {hi:.4f}] windows {entry['mean_windows']:.1f}"
+                              + (" verified" if entry.get("verified") else ""), flush=True)
+    return out
+
+
+def old_mde(rng, row: Row, ids, design, target: str, sims: int) -> np.ndarray:
+    """The MDE as reported before issue 42 (point estimate / c4(df) x 1.12), for the comparison."""
+    from quantlab.gate import stats
+
+    key, _, hib = CHECKS[target]
+    values = simulate(rng, row, ids, sims, target)[key]
+    clusters = stats.Clusters(ids)
+    df = None if clusters.singletons else clusters.df
+    c = design.t_boundary(len(design.looks) - 1, design.cap, df)
+    mean, lo, hi, se = stats.interval(values, c, clusters)
+    return stats.mde(mean, lo, hi, se, hib, c, design.t_beta(design.cap, c, df)) / stats._c4(df or design.cap - 1) \
+        * 1.12
+
+
+def mde_rows(rng, layouts, names: list[str], sims: int, alpha: float, beta: float) -> list[dict]:
+    """Issue 42 item 2: the MDE a run states, over simulated runs of one population at the threshold (its 10th
+    percentile, median and 90th percentile), and the gate's power at the median and the 10th-percentile run's
+    stated MDE (4000 gates each); the same for the MDE as stated before (point estimate) for comparison."""
+    out = []
+    for lay in names:
+        ids = layout(lay, layouts)
+        design = gate_design(ids.size, alpha, beta)
+        for icc in ((0.0, 0.3, 0.5) if lay != "independent" else (0.0,)):
+            for skew in (1.0, 2.5):
+                row = Row(lay, icc, skew)
+                for name in CHECKS:
+                    new = mde_at_cap(rng, row, ids, design, name, sims, quantiles=(0.1, 0.5, 0.9))
+                    old = old_mde(rng, row, ids, design, name, sims)
+                    old_q = [float(np.quantile(old, q)) for q in (0.1, 0.5, 0.9)]
+                    entry = {"layout": lay, "icc": icc, "skew": skew, "check": name, "sims": sims,
+                             "mde_p10_p50_p90": new, "old_mde_p10_p50_p90": old_q, "power": {}}
+                    for label, m in (("p10", new[0]), ("median", new[1]), ("old median", old_q[1]),
+                                     ("old p10", old_q[0])):
+                        res = gate_vectorized(simulate(rng, row, ids, sims, name, shift=m), ids, design)
+                        p = float((res["final"][name] == 1).mean())
+                        entry["power"][label] = [p, *wilson(p, sims)]
+                    out.append(entry)
+                    pw = entry["power"]
+                    print(f"mde {lay:10s} icc {icc} skew {skew} {name:15s} MDE p10/p50/p90 "
+                          f"{new[0]:.4g}/{new[1]:.4g}/{new[2]:.4g} (was {old_q[0]:.4g}/{old_q[1]:.4g}/{old_q[2]:.4g}"
+                          f"): power at p10 {pw['p10'][0]:.3f} [{pw['p10'][1]:.3f}], median {pw['median'][0]:.3f} "
+                          f"[{pw['median'][1]:.3f}]; old median {pw['old median'][0]:.3f}, old p10 "
+                          f"{pw['old p10'][0]:.3f}", flush=True)
+    return out
+
+
 def table_rows(kind: str, layouts: list[str]) -> list[Row]:
     """The rows of the type-I / power table: every layout x ICC x skewness, and rare bad windows."""
     if kind == "rare":
@@ -519,8 +664,14 @@ def main() -> None:
     ap.add_argument("--sims", type=int, default=4000)
     ap.add_argument("--rows", default="all", help="all | quick (two rows) | bad (the rows with rare bad windows) | "
                     "text (whole bad documents, the text's own mean on the threshold) | rare (the rare-bad candidates "
-                    "and the predicted default runs) | table (the check rows only)")
+                    "and the predicted default runs) | table (the check rows only) | tails (issue 42: "
+                    "tail checks with log-normal windows and document effects) | mde (issue 42: the MDE a run states "
+                    "and the power at its median and 10th percentile)")
     ap.add_argument("--verify", type=int, default=0, help="real-gate check of the first N gates of every row")
+    ap.add_argument("--tail-sigmas", default=",".join(str(x) for x in TAIL_SIGMAS),
+                    help="--rows tails: the latent standard deviations of the rows")
+    ap.add_argument("--tail-cases", default="", help="--rows tails: only these cases (comma-separated: type_I, "
+                    "good 1%%, good 0.1%%, bad 15%%, at stated MDE)")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--beta", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
@@ -540,6 +691,16 @@ def main() -> None:
         print(f"real {r['run']:22s} {r['metric']:15s} n {r['windows']} docs {r['documents']} skew "
               f"{r['skewness']:+.2f} icc {r['icc'] if r['icc'] is None else round(r['icc'], 3)} "
               f"deff {r['design_effect']:.2f} mean {r['mean']:.4g} sd {r['sd']:.3g} max {r['max']:.4g}", flush=True)
+    if args.rows in ("tails", "mde"):  # issue 42: latent tails under document effects; the MDE a run states
+        names = [x for x in args.layouts.split(",")]
+        result[args.rows] = (latent_tail_rows(rng, layouts, names, args)
+                             if args.rows == "tails" else mde_rows(rng, layouts, names, args.sims, args.alpha,
+                                                                   args.beta))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"{args.rows}: {len(result[args.rows])} rows x {args.sims} simulated gates, {time.time() - start:.0f} s")
+        return
     rows = table_rows(args.rows, args.layouts.split(","))
     result["rows"] = []
 

@@ -135,11 +135,16 @@ def test_decide_three_ways():
     assert stats.decide(good, 0.5, False, design, 0).verdict == "fail"
     assert stats.decide(good, 1.001, False, design, 0).verdict == "undecided"
     d = stats.decide(good, 1.5, False, design, 0)
-    # symmetric values: the plain t interval, and the MDE is (boundary + power margin) standard errors, over
-    # E[s] / sigma = c4(7) and widened by the simulation-chosen safety factor
+    # symmetric values: the plain t interval, and the MDE is (boundary + power margin) standard errors: reported
+    # with sigma at its upper 90% bound, sqrt(7 / chi2_0.1(7)), its point estimate over E[s] / sigma = c4(7)
+    from scipy import stats as st
+
     assert d.hi - d.value == pytest.approx(d.boundary * d.se)
     c4 = math.sqrt(2 / 7) * math.gamma(4) / math.gamma(3.5)
-    assert d.mde == pytest.approx((d.boundary + design.t_beta(8, d.boundary)) * d.se / c4 * stats.MDE_SAFETY)
+    raw = (d.boundary + design.t_beta(8, d.boundary)) * d.se
+    assert d.mde_estimate == pytest.approx(raw / c4)
+    assert d.mde == pytest.approx(raw * math.sqrt(7 / st.chi2.ppf(0.1, 7)) * stats.MDE_SAFETY)
+    assert d.mde > d.mde_estimate and d.df == 7
 
 
 def test_interval_widens_only_the_side_the_skew_threatens():

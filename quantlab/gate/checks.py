@@ -362,7 +362,8 @@ def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design
     test = _test(name, bound, w, gen, th.above)
     clusters = w.clusters() if not name.startswith("gen_") else None
     if test.tail is not None:
-        d = stats.decide_tail(test.values, test.threshold, design, look)
+        d = stats.decide_tail(test.values, test.threshold, design, look, stats.tail_latent(test.tail, th.above),
+                              math.log(th.above), clusters)
     elif test.binary:
         d = stats.decide_binary(test.values, test.threshold, test.higher_is_better, design, look)
     else:
@@ -377,12 +378,22 @@ def _one(name: str, th: Threshold, op: str, w: Windows, gen: dict | None, design
     margin = (value - bound) if op == ">=" else (bound - value)
     level = 1 - 2 * stats._phi(-d.boundary) if not test.binary and math.isfinite(d.boundary) else None
     mde, mde_unit = float(d.mde), test.mde_unit
+    estimate = d.mde_estimate
     if test.to_metric is not None and math.isfinite(mde):  # tested on a log scale: the MDE in the metric's units
-        inside = test.threshold + d.mde if test.higher_is_better else test.threshold - d.mde
-        mde, mde_unit = abs(bound - f(inside)), metrics.METRICS[name].unit or "ratio"
+        def in_units(x):
+            return abs(bound - f(test.threshold + x if test.higher_is_better else test.threshold - x))
+        mde, mde_unit = in_units(d.mde), metrics.METRICS[name].unit or "ratio"
+        estimate = in_units(estimate) if estimate is not None else None
     detail = (f"{d.verdict} at {d.n} windows: interval [{ci[0]:.4g}, {ci[1]:.4g}] vs {op} {bound:g}"
               + (f" (tested as {test.mde_unit} <= {test.threshold:g}: {d.value:.4g} [{d.lo:.4g}, {d.hi:.4g}])"
                  if test.value is not None else ""))
+    if estimate is not None and math.isfinite(mde):
+        detail += (f"; MDE {mde:.3g} is an upper {stats.MDE_CONFIDENCE:.0%} bound from this run's spread "
+                   f"({d.df:.1f} degrees of freedom; point estimate {estimate:.3g})")
+    if d.quantile_hi is not None:
+        q_hi = math.exp(d.quantile_hi) if math.isfinite(d.quantile_hi) else math.inf
+        detail += (f"; the windows' {100 * (1 - test.threshold):g}th percentile of {metrics.METRICS[name].tail_words} "
+                   f"is at most {q_hi:.3g} (documents as clusters; a pass needs <= {th.above:g})")
     summary = stats.cluster_summary(test.values, clusters) if not name.startswith("gen_") else {}
     where = []
     if test.tail is not None:
