@@ -441,6 +441,10 @@ def _artifacts(run: Executor) -> dict:
 
 
 def audit_record(report) -> dict:
-    """What run.json and metrics.json keep of the audit: verdict, counts, the error and warning findings."""
+    """What run.json and metrics.json keep of the audit: verdict, counts, the error and warning findings, and the
+    info finding naming the equivalence transforms it accepted (quantlab.audit.equivalence)."""
+    from quantlab.audit.equivalence import named_in_run
+
     return {"passed": report.passed, "counts": report.summary(), "seconds": report.timings.get("total"),
-            "canary": report.canary, "findings": [f.to_dict() for f in report.findings if f.severity != "info"]}
+            "canary": report.canary, "findings": [f.to_dict() for f in report.findings
+                                                  if f.severity != "info" or named_in_run(f)]}

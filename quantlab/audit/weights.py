@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from quantlab.audit import equivalence
 from quantlab.audit.bounds import GAIN_CAP, GAIN_ERROR, GAIN_WARN, SQNR_CAP, weight_bounds
 from quantlab.audit.coverage import check_fused_groups
 from quantlab.audit.layout import _Probe, block_of
@@ -35,7 +36,13 @@ def check_layers(a: AuditState) -> None:
     refusals: dict[tuple, list] = {}
     unknown: dict[str, list] = {}
     stats: list[dict] = []
+    pairs = equivalence.PairAnalysis(a) if a.ref_index is not None else None
+    held: dict[str, tuple] = {}  # this block's layers the smoothing-pair analysis needs (quantlab.audit.equivalence)
+    rows: dict[str, dict] = {}
     for module in a.quantized_modules():
+        if pairs is not None and held and block_of(module) != block_of(next(iter(held))):
+            pairs.block(held, rows)
+            held = {}
         fmt: LayerFormat = a.declared[module]
         if fmt.quant_algo not in QLAYERS:
             unknown.setdefault(fmt.quant_algo, []).append(module)
@@ -51,10 +58,16 @@ def check_layers(a: AuditState) -> None:
             _refused(module, fmt, None, QuantlabError(f"{type(exc).__name__}: {str(exc)[:160]}"), refusals)
             continue
         if a.ref_index is not None:
-            row = _compare_weight(a, module, fmt, layer if dev == "cpu" else layer.to(dev), dev)
+            keep = held if equivalence.wanted(module) else None
+            row = _compare_weight(a, module, fmt, layer if dev == "cpu" else layer.to(dev), dev, keep)
             if row:
                 stats.append(row)
+                rows[module] = row
         del layer
+    if pairs is not None:
+        if held:
+            pairs.block(held, rows)
+        pairs.report()
     _report_refusals(a, refusals)
     for algo, modules in unknown.items():
         a.add(INFO, "format", modules, f"{len(modules)} layer(s) in format {algo}, which quantlab cannot "
@@ -155,10 +168,13 @@ def _report_refusals(a: AuditState, refusals: dict) -> None:
                   fix="declare the group size the weights were quantized with, or re-export")
 
 
-def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer, dev: str = "cpu") -> dict | None:
+def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer, dev: str = "cpu",
+                    keep: dict | None = None) -> dict | None:
     """The layer's stored weight against the reference in the space the quantizer worked in: a smoothed layer
     stores W / s (s its pre_quant_scale, or the scale export folded into the norm ahead of it), so the
-    dequantized weight is compared with W_ref / s, where every output channel's error is the quantizer's own."""
+    dequantized weight is compared with W_ref / s, where every output channel's error is the quantizer's own.
+    keep (a dict): module -> (every candidate space [(fold, reference there)], dequantized weight), for the
+    smoothing-pair analysis (quantlab.audit.equivalence)."""
     ref_w = a.ref_tensor(f"{module}.weight")
     if ref_w is None:
         return None
@@ -176,11 +192,16 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer, dev: st
     else:
         candidates = [(None, None), *((n, v.to(dev)) for n, v in _fold_candidates(a, module, deq.shape[1]))]
     best = None
+    spaces = []
     for fold, scale in candidates:
-        row = _weight_stats(ref_w if scale is None else ref_w / scale[None, :], deq)
+        space = ref_w if scale is None else ref_w / scale[None, :]
+        spaces.append((fold, space))
+        row = _weight_stats(space, deq)
         if best is None or row["sqnr_db"] > best[1]["sqnr_db"]:
             best = (fold, row)
     fold, row = best
+    if keep is not None:
+        keep[module] = (spaces, deq)
     if fold and fold != "pre_quant_scale":
         a.folded.add(fold)
     return {"module": module, "format": fmt.quant_algo, **row, "fold": fold}

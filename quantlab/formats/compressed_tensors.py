@@ -7,8 +7,12 @@ weight_zero_point, weight_shape, input_scale; <attention>.k_scale / v_scale for 
 Read: float-quantized (FP8 E4M3), int-quantized / naive-quantized (INT8) and pack-quantized (int2 / int4 / int8)
 weights with tensor, channel, group or block scales, symmetric or asymmetric; activations none, dynamic per token or
 static per tensor (symmetric); an FP8 per-tensor static KV cache. Refused by name: act-order (actorder group /
-dynamic, weight_g_idx: compressed-tensors 0.19 itself rejects them), sparsity and transform configs, formats such as
-nvfp4-pack-quantized or marlin-24, asymmetric or per-group activations, other KV cache schemes."""
+dynamic, weight_g_idx: compressed-tensors 0.19 itself rejects them), sparsity configs, formats such as
+nvfp4-pack-quantized or marlin-24, asymmetric or per-group activations, other KV cache schemes, and transforms
+applied at run time (transform_config locations input / output / q_attn / k_cache: quantlab's engine does not apply
+them) and, named apart, rotations fused into the weights (weight_input / weight_output: the audit does not compare
+through a rotation). Smoothing scales moved between layers need no declaration: the audit infers them
+(quantlab.audit.equivalence), and recipe_mappings reads the ones recipe.yaml declares."""
 from __future__ import annotations
 
 import functools
@@ -160,6 +164,96 @@ def _groups(path: Path, qc: dict) -> list[tuple[str, list[str], ForeignLayer, di
     return out
 
 
+OFFLINE = ("weight_input", "weight_output")  # fused into the stored weights when the checkpoint was saved
+ONLINE = {"input": "the input activations of", "output": "the output activations of",
+          "q_attn": "the queries (after RoPE) of", "k_cache": "the keys entering the KV cache of"}
+TRANSFORM_FIX = ("quantlab's engine runs the stored weights and applies no transform at run time: re-quantize with "
+                 "offline rotations only (llm-compressor SpinQuantModifier(rotations=['R1', 'R2'])), or serve and "
+                 "evaluate this checkpoint with an engine that applies compressed-tensors' online transforms (vLLM)")
+
+
+ROTATION_FIX = ("re-quantize without rotation modifiers (SpinQuantModifier, QuIPModifier: AWQ or GPTQ alone) to "
+                "evaluate with quantlab, or evaluate this checkpoint with the serving engine it was made for (vLLM)")
+
+
+def offline_transforms(path: Path, qc: dict) -> list[dict]:
+    """compressed-tensors' transform_config (config_groups of TransformSchemes: type, apply = [{targets, location,
+    inverse, ignore}], head_dim), checked: one applied at run time (location input / output / q_attn / k_cache:
+    SpinQuant R3 / R4, QuIP's Hadamards) is refused, naming it: a checkpoint that needs it computes something else
+    without it. Every transform fused into the weights (locations weight_input / weight_output only: SpinQuant R1 /
+    R2, QuaRot's offline rotations) is returned as {name, type, head_dim, apply} (open_ct refuses those too,
+    named apart: the audit does not compare through a rotation)."""
+    tc = qc.get("transform_config")
+    if not tc:
+        return []
+    groups = tc.get("config_groups") if isinstance(tc, dict) else None
+    if not isinstance(groups, dict):
+        raise refuse(path, f"transform_config {json.dumps(tc)[:160]} has no config_groups object", TRANSFORM_FIX)
+    out = []
+    for name, scheme in groups.items():
+        apply = scheme.get("apply") if isinstance(scheme, dict) else None
+        if not isinstance(apply, list) or not all(isinstance(x, dict) for x in apply):
+            raise refuse(path, f"transform_config.config_groups.{name} has no list of apply entries", TRANSFORM_FIX)
+        for entry in apply:
+            location = entry.get("location")
+            if location in ONLINE:
+                targets = ", ".join(map(str, entry.get("targets") or []))[:120]
+                raise refuse(path, f"transform_config.config_groups.{name} applies a {scheme.get('type', '?')} "
+                             f"transform at run time (location {location!r}: {ONLINE[location]} {targets}), which "
+                             "quantlab's engine cannot apply: evaluated as plain weights it would compute another "
+                             "function", TRANSFORM_FIX)
+            if location not in OFFLINE:
+                raise refuse(path, f"transform_config.config_groups.{name}: unknown transform location "
+                             f"{location!r}", TRANSFORM_FIX)
+        out.append({"name": str(name), "type": str(scheme.get("type", "?")), "head_dim": scheme.get("head_dim"),
+                    "apply": apply})
+    return out
+
+
+def recipe_mappings(path: Path) -> list[tuple[str, list[str]]]:
+    """The smoothing mappings llm-compressor's recipe.yaml beside the checkpoint declares (AWQModifier /
+    SmoothQuantModifier mappings: [smooth_layer, balance_layers] or {smooth_layer, balance_layers}), as
+    (producer pattern, consumer patterns); [] when there is no recipe or it declares none."""
+    recipe = Path(path) / "recipe.yaml" if Path(path).is_dir() else None
+    if recipe is None or not recipe.is_file():
+        return []
+    import yaml  # PyYAML: installed with omegaconf
+
+    try:
+        doc = yaml.safe_load(recipe.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return []
+    found: list[tuple[str, list[str]]] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "mappings" and isinstance(value, list):
+                    found.extend(m for m in map(_mapping, value) if m)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(doc)
+    return found
+
+
+def _mapping(entry) -> tuple[str, list[str]] | None:
+    if isinstance(entry, dict):
+        smooth, balance = entry.get("smooth_layer"), entry.get("balance_layers")
+    elif isinstance(entry, list) and len(entry) == 2:
+        balance, smooth = entry  # SmoothQuant's [[balance layers], smooth layer]
+    else:
+        return None
+    if isinstance(balance, str):
+        balance = [balance]
+    if not isinstance(smooth, str) or not isinstance(balance, list):
+        return None
+    return smooth, [str(b) for b in balance]
+
+
 def _made_by_gptq(path: Path) -> bool:
     """llm-compressor's recipe.yaml beside the checkpoint names GPTQModifier (the weights were GPTQ-compensated)."""
     recipe = path / "recipe.yaml"
@@ -197,9 +291,17 @@ def open_ct(path: Path) -> Opened:
     if status != "compressed":
         raise refuse(path, f"quantization_status={status!r}: the weights are not stored compressed",
                      "save with model.save_pretrained(out, save_compressed=True)")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise refuse(path, f"{key} is set ({json.dumps(qc[key])[:120]}): sparse or transformed weights", FIX)
+    if qc.get("sparsity_config"):
+        raise refuse(path, f"sparsity_config is set ({json.dumps(qc['sparsity_config'])[:120]}): sparse weights", FIX)
+    fused = offline_transforms(path, qc)
+    if fused:
+        named = "; ".join(f"config_groups.{t['name']} ({t['type']} on " + ", ".join(
+            f"{e.get('location')} of {', '.join(map(str, e.get('targets') or []))[:60]}" for e in t["apply"]) + ")"
+            for t in fused[:3])
+        raise refuse(path, f"transform_config rotates the weights ({named[:300]}): fused into the stored weights, "
+                     "so the checkpoint computes the reference's function, but quantlab's audit compares every "
+                     "layer with the reference and does not undo a rotation: it would call every rotated layer a "
+                     "fault", ROTATION_FIX)
     groups = _groups(path, qc)
     ignore = qc.get("ignore") or []
     for target in ignore:
