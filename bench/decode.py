@@ -11,6 +11,8 @@ realistic magnitude) - and loaded by quantlab.engines.torch_engine.load_exported
 evaluation runs. Per precision and batch: prefill ms and tokens/s; decode ms/token (median and spread over repeats
 of `--tokens` CUDA-graph replays), tokens/s; weight and KV bytes; the roofline (bytes a decode step reads / the
 device-to-device copy bandwidth measured here) and the fraction of it reached; ratios vs bf16.
+The timed decode runs the compiled layers (each row says compiled=True); the pipeline's generations and its speed
+section run the uncompiled cached decode (the report's speed section says so): --no-compile times that path.
 
 --check (each part in its own try block; a failure prints its traceback and the rest still runs):
   families  every family of tests/conftest.py's matrix (tiny random models, fp32): the captured cached decode's
@@ -53,7 +55,7 @@ sys.path.insert(0, str(REPO))
 from quantlab.engines import decode, fusion, qlayers  # noqa: E402
 from quantlab.engines.base import Engine, Limits  # noqa: E402
 from quantlab.engines.hf import HFModelEngine  # noqa: E402
-from quantlab.engines.kernels import cuda_rtc  # noqa: E402
+from quantlab.engines.kernels import device as kernel_device  # noqa: E402
 
 START = time.time()
 DEVICE = "cuda"  # --smoke: "cpu" (the script's own logic on tiny shapes, nothing timed that matters)
@@ -127,6 +129,10 @@ def cuda_ms(fn, iters: int) -> float:
 def environment() -> dict:
     import transformers
 
+    from quantlab.engines.torch_engine import kernel_context
+
+    kernel_device.configure(kernel_context())  # engine.kernels' defaults and $QUANTLAB_DISABLED_KERNELS, for every run
+
     try:
         import triton
         triton_version = triton.__version__
@@ -141,16 +147,13 @@ def environment() -> dict:
     del src, dst
     out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
            "transformers": transformers.__version__, "triton": triton_version, "copy_bandwidth_GBps": bandwidth / 1e9,
-           "pdl": cuda_rtc.pdl_on(DEVICE), "int4_xorder": cuda_rtc.switch("QUANTLAB_INT4_XORDER"),
-           "int4_epilogue": cuda_rtc.switch("QUANTLAB_INT4_EPILOGUE"),
-           "int4_residual": cuda_rtc.switch("QUANTLAB_INT4_RESIDUAL"),
-           "compile_edges": cuda_rtc.switch("QUANTLAB_COMPILE_EDGES")}
+           "pdl": kernel_device.pdl_on(DEVICE), "kernel_switches": kernel_device.current().describe()}
     say(f"{out['gpu']}: torch {out['torch']}, transformers {out['transformers']}, triton {triton_version}; "
         f"device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write); programmatic dependent launch "
-        f"{'on' if out['pdl'] else 'off'} (QUANTLAB_PDL); INT4 x in x_order {'on' if out['int4_xorder'] else 'off'} "
-        f"(QUANTLAB_INT4_XORDER), gated epilogue {'on' if out['int4_epilogue'] else 'off'} (QUANTLAB_INT4_EPILOGUE), "
-        f"residual epilogue {'on' if out['int4_residual'] else 'off'} (QUANTLAB_INT4_RESIDUAL), norm / rotary / "
-        f"argmax compiled {'on' if out['compile_edges'] else 'off'} (QUANTLAB_COMPILE_EDGES)")
+        f"{'on' if out['pdl'] else 'off'} (engine.kernels.pdl); kernels disabled: "
+        f"{', '.join(out['kernel_switches']['disabled']) or 'none'} (engine.kernels.disabled, "
+        f"$QUANTLAB_DISABLED_KERNELS); norm / rotary / argmax compiled "
+        f"{'on' if out['kernel_switches']['compile_edges'] else 'off'} (engine.kernels.compile_edges)")
     return out
 
 
@@ -736,7 +739,7 @@ def _sweep_tensors(rows: int, n: int, k: int, g) -> dict:
         scales = (torch.rand(n, k // GROUP, device="cuda", generator=g) * 0.01 + 1e-3).bfloat16()
         layers.append((packed, scales, *int4.repack(packed, scales)))
     w = int4.k8_dequantized(layers[0][2], layers[0][3], GROUP)
-    exact, bound = int4._bound(x, w, torch.bfloat16)
+    exact, bound = int4.bound(x, w, torch.bfloat16)
     return {"x": x, "layers": layers, "exact": exact, "bound": bound, "copies": copies}
 
 
@@ -833,7 +836,7 @@ def int4_sweep(bandwidth: float, deadline: float) -> dict:
                 say(f"    {len(failed)} configurations skipped, e.g. {failed[0]}")
             empty_cache()
     table = {key: cfg for key, cfg in sorted(int4.CONFIGS.items())}
-    say("  int4.CONFIGS for this GPU (commit into quantlab/engines/kernels/int4.py):")
+    say("  int4.CONFIGS for this GPU (commit into quantlab/engines/kernels/int4/configs.py):")
     print("CONFIGS = {\n" + "".join(f"    {key}: {cfg},\n" for key, cfg in table.items()) + "}", flush=True)
     out["configs"] = {str(key): cfg for key, cfg in table.items()}
     return out

@@ -2,7 +2,7 @@
 
 Both runs use the same HF skeleton; the FP8 one has every decoder Linear replaced by quantlab's Fp8Linear
 (static per-tensor scales from one calibration forward, torch._scaled_mm), timed first one quantize + GEMM per
-Linear, then with q/k/v and gate/up fused as the torch engine runs them (qlayers.fuse_shared_inputs). Prints prefill
+Linear, then with q/k/v and gate/up fused as the torch engine runs them (fusion_fp8.fuse_shared_inputs). Prints prefill
 tokens/s, the linear layers' achieved TFLOP/s, the measured bf16 / FP8 GEMM ceilings, the kernels the profiler saw,
 and the FP8 / bf16 ratio against the 1.4x target.
 
@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from quantlab.engines import qlayers
+from quantlab.engines import fusion_fp8, qlayers
 
 
 def timed(fn, iters: int = 5, warmup: int = 2) -> float:
@@ -119,7 +119,7 @@ def main() -> None:
     n = to_fp8(model, ids[:1])
     unfused_logits = prefill().float()
     t_unfused = timed(prefill)
-    groups = qlayers.fuse_shared_inputs(model, torch.bfloat16)  # what the torch engine does on FP8 GPUs
+    groups = fusion_fp8.fuse_shared_inputs(model, torch.bfloat16)  # what the torch engine does on FP8 GPUs
     fp8_logits = prefill().float()
     t_fp8 = timed(prefill)
     from torch.profiler import ProfilerActivity, profile

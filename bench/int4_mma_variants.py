@@ -297,7 +297,7 @@ def x_permuted(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_order(q: torch.Tensor) -> torch.Tensor:
-    return int4._untile(q)
+    return int4.layout._untile(q)
 
 
 COPY_BYTES_PER_S = 4.28e12  # the H200's device-to-device copy (bench/decode.py's environment): the % column's base

@@ -27,9 +27,10 @@ log = logging.getLogger("quantlab")
 def context(cfg: Config) -> RunContext:
     """Config checks, the store and the device: everything decided before any model is touched."""
     preflight.check_config(cfg)
-    from quantlab.engines.kernels import cuda_rtc
-
-    cuda_rtc.check_switches()  # the decode path's environment switches, before any compute
+    kernels = getattr(cfg.engine, "kernels", None)
+    if kernels is not None:  # engine.kernels (checked when built) and $QUANTLAB_DISABLED_KERNELS, before any compute
+        kernels.__post_init__()
+        kernels.resolved()
     store = ArtifactStore(cfg.cache_dir)
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -167,6 +168,8 @@ class _Run:
         if cfg.eval.gen_prompts and cfg.eval.gen_tokens:
             limits.check(min(cfg.eval.gen_prompts, cfg.eval.batch_size), cfg.eval.gen_prompt_len, cfg.eval.gen_tokens)
         record["engine"] = {"name": ctx.engine.name, "limits": limits.describe()}
+        if getattr(cfg.engine, "kernels", None) is not None:  # the switches in force (the env override included)
+            record["engine"]["kernels"] = cfg.engine.kernels.resolved()
         calib, evalset = run.value("data:calib"), run.value("data:eval")
         record["data"] = {"calib": {"fingerprint": calib.fingerprint, **calib.info},
                           "eval": {"fingerprint": evalset.fingerprint, **evalset.info}}
@@ -302,7 +305,8 @@ class _Run:
                 "experts": _expert_coverage(record["artifacts"].get("quantize")),
                 "audit": record.get("audit"),
                 "reference_forward_batches": run.values["reference"].forward_batches,
-                "candidate_forward_batches": result.forward_batches}
+                "candidate_forward_batches": result.forward_batches,
+                "kernels": record["engine"].get("kernels")}  # engine.kernels in force (torch engine), else None
 
     def finish(self, code: int, what: str, doc: dict | None = None) -> RunResult:
         run = self.executor

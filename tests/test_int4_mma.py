@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantlab.engines.int4_codes import from_x_order, in_x_order, unpack_int4
-from quantlab.engines.kernels import _int4_cuda, cuda_rtc, int4
+from quantlab.engines.kernels import _int4_cuda, api, cuda_rtc, int4
 
 
 def _names(shapes, groups, dtypes, flags=((False, False),)) -> list[str]:
@@ -278,7 +278,7 @@ def test_engine_does_not_pick_it_where_it_cannot_run():
     cfg = int4.mma_config(14336)
     assert cfg["mma"] and 4 <= cfg["warps"] <= 16 and (cfg["warps"], cfg["unroll"], cfg["tiles"]) in int4.MMA_SHAPES
     with pytest.raises(ValueError, match="up to 8 rows"):
-        int4._k8_mma(torch.zeros(9, 256, dtype=torch.bfloat16), qweight, scales_t, None, 64,
+        int4.k8_mma(torch.zeros(9, 256, dtype=torch.bfloat16), qweight, scales_t, None, 64,
                      {"mma": True, "warps": 4, "unroll": 1}, torch.empty(9, 64, dtype=torch.bfloat16))
 
 
@@ -319,10 +319,10 @@ def test_k8_layout_holds_every_code_where_k8_offset_says():
 
 
 def test_a_kernel_check_that_ran_nothing_or_raised_is_a_failure():
-    assert int4.failed_rows(lambda: [{"ok": True}]) == []
-    assert int4.failed_rows(lambda: [{"ok": True}, {"ok": False, "kernel": "k"}]) == [{"ok": False, "kernel": "k"}]
-    assert int4.failed_rows(lambda: []) == [{"error": "the check ran no case"}]
-    assert "ValueError: boom" in int4.failed_rows(lambda: (_ for _ in ()).throw(ValueError("boom")))[0]["error"]
+    assert api.failed_rows(lambda: [{"ok": True}]) == []
+    assert api.failed_rows(lambda: [{"ok": True}, {"ok": False, "kernel": "k"}]) == [{"ok": False, "kernel": "k"}]
+    assert api.failed_rows(lambda: []) == [{"error": "the check ran no case"}]
+    assert "ValueError: boom" in api.failed_rows(lambda: (_ for _ in ()).throw(ValueError("boom")))[0]["error"]
     assert int4.tma_shared(4096) == 32 * 1024  # a 16-row tile's codes at K 4096
 
 
@@ -367,3 +367,39 @@ def test_gated_epilogue_indexing_matches_the_torch_path():
     assert torch.equal(h, int4.gated_torch(yi, scale, True))
     natural = h[:, torch.argsort(order)]  # input i sits at x_position(i)
     assert torch.equal(natural, (torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]) * scale)
+
+
+def test_int4_priority_list_records_why_each_kernel_was_refused(tmp_path):
+    """The kernel seam on this machine (no GPU): every packed kernel refuses a CPU layer and says why, the torch
+    reference takes it; engine.kernels.disabled=[all] refuses them as disabled; the layer built from a checkpoint
+    carries the choice, and the engine's plan lists it per shape."""
+    from safetensors.torch import save_file
+
+    from quantlab.checkpoint import CheckpointTensors, LayerFormat
+    from quantlab.engines.kernels.device import KernelContext
+    from quantlab.engines.kernels.int4.linear import PRIORITY
+    from quantlab.engines.qlayers import Int4AwqLinear, LayerContext
+    from quantlab.engines.torch_engine import kernel_choices
+
+    names = [k.name for k in PRIORITY]
+    assert names == ["int4_tma", "int4_mma", "int4_k8", "int4_export", "torch"]
+    spec = api.LinearSpec("int4_awq", 64, 256, 64, torch.bfloat16, pqs=True, device="cpu")
+    choice = api.choose(spec, KernelContext(), PRIORITY)
+    assert choice.kernel.name == "torch" and set(choice.refused) == set(names[:-1])
+    assert choice.refused["int4_tma"].startswith("CONFIGS has no bulk-copy entry")
+    assert all("CUDA" in choice.refused[n] or "Triton" in choice.refused[n] for n in names[1:-1]), choice.refused
+    everything_off = api.choose(spec, KernelContext(frozenset({"all"})), PRIORITY).describe()
+    assert everything_off == {"kernel": "torch", "refused": dict.fromkeys(names[:-1],
+                                                                          "disabled (engine.kernels.disabled)")}
+    assert not PRIORITY[2].can_implement(api.LinearSpec("int4_awq", 40, 256, 64, torch.bfloat16,
+                                                        device="cuda"))[0]  # N not in tiles of 16 (or no Triton)
+    with pytest.raises(ValueError, match="must end in the torch reference"):
+        api.choose(spec, KernelContext(), PRIORITY[:-1])
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"l.weight": torch.randint(0, 256, (32, 256), generator=g, dtype=torch.uint8),
+               "l.weight_scale": torch.rand(64, 4, generator=g).to(torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    layer = Int4AwqLinear.from_checkpoint("l", 64, 256, False, CheckpointTensors(tmp_path),
+                                          LayerFormat("W4A16_AWQ", 64), LayerContext("cpu", False, torch.bfloat16))
+    assert layer.choice == choice.describe() and layer.weight is not None and layer.layout == "dense"
+    assert kernel_choices(torch.nn.Sequential(layer, torch.nn.Linear(4, 4))) == {"64x256": choice.describe()}

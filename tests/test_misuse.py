@@ -47,22 +47,26 @@ def test_empty_model_path_on_the_cli(tmp_path):
     _exit2(run_cli(["+precision=fp8", "model.path=", *FAST], cwd=tmp_path, cache=tmp_path / "c"), "model.path is empty")
 
 
-def test_a_decode_switch_that_is_neither_0_nor_1_is_refused_before_compute(tmp_path, monkeypatch):
-    from quantlab.engines.kernels import cuda_rtc
+def test_an_unknown_kernel_name_is_refused_before_compute(tmp_path, monkeypatch):
+    from quantlab.compose import compose
+    from quantlab.engines.kernels.names import ENV_DISABLED, KERNELS
+    from quantlab.engines.registry import KernelsConfig
 
-    for value, on in (("", True), ("1", True), (" 0 ", False)):
-        monkeypatch.setenv("QUANTLAB_COMBO_KERNELS", value)
-        assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is on
-    monkeypatch.delenv("QUANTLAB_COMBO_KERNELS")
-    assert cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") is True
-    assert "QUANTLAB_INT4_XORDER" in cuda_rtc.SWITCHES
-    for name in cuda_rtc.SWITCHES:  # each one is checked before compute
-        monkeypatch.setenv(name, "yes")
-        with pytest.raises(QuantlabError, match=f"{name}='yes'"):
-            cuda_rtc.check_switches()
-        monkeypatch.delenv(name)
-    res = run_cli(["+precision=fp8", *FAST], cwd=tmp_path, cache=tmp_path / "c", env_extra={"QUANTLAB_PDL": "off"})
-    _exit2(res, "QUANTLAB_PDL='off' is not an on / off switch")
+    with pytest.raises(QuantlabError, match="'int4_mmma' is not one of quantlab's kernels; did you mean 'int4_mma'"):
+        compose(["+precision=int4_awq", "engine.kernels.disabled=[int4_mmma]"])
+    cfg, snapshot = compose(["+precision=int4_awq", "engine.kernels.disabled=[int4_mma,fp8_gemv]",
+                             "engine.kernels.pdl=false"])
+    assert cfg.engine.kernels.resolved() == {"disabled": ["fp8_gemv", "int4_mma"], "pdl": False, "compile_edges": True,
+                                             "combo_kernels": True}
+    assert snapshot["engine"]["kernels"]["disabled"] == ["int4_mma", "fp8_gemv"]  # what run.json's config holds
+    assert set(KernelsConfig(disabled=["all", *KERNELS]).disabled) >= set(KERNELS)
+    monkeypatch.setenv(ENV_DISABLED, "decode_attention, int4_k8")  # benches: added to the config's list
+    assert KernelsConfig(disabled=["all"]).resolved()["disabled"] == ["all", "decode_attention", "int4_k8"]
+    monkeypatch.setenv(ENV_DISABLED, "attention")
+    with pytest.raises(QuantlabError, match=f"\\${ENV_DISABLED}: 'attention' is not one"):
+        KernelsConfig().resolved()
+    res = run_cli(["+precision=fp8", "engine.kernels.disabled=[fp8_gmev]", *FAST], cwd=tmp_path, cache=tmp_path / "c")
+    _exit2(res, "did you mean 'fp8_gemv'")
     assert not list((tmp_path / "c").glob("*/*/manifest.json")), "something was computed"
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import FAST, read_json, run_api, run_cli
 from safetensors.torch import load_file, save_file
 
-from quantlab.engines import qlayers
+from quantlab.engines import fusion_fp8, qlayers
 from quantlab.engines.torch_engine import load_exported
 from quantlab.env import resolve_device
 from quantlab.errors import QuantlabError
@@ -211,10 +211,10 @@ def test_shared_input_fusion_matches_separate_layers(tiny_llama, tmp_path, share
     device = resolve_device("cpu")
     separate, _ = load_exported(ckpt, device, torch.float32)
     fused_model, _ = load_exported(ckpt, device, torch.float32)
-    groups = qlayers.fuse_shared_inputs(fused_model, torch.float32)
+    groups = fusion_fp8.fuse_shared_inputs(fused_model, torch.float32)
     layers = fused_model.config.num_hidden_layers
     assert groups == 2 * layers  # q/k/v and the MLP in every layer: export unified their input scales
-    assert isinstance(fused_model.model.layers[0].mlp, qlayers.Fp8GatedMLP)
+    assert isinstance(fused_model.model.layers[0].mlp, fusion_fp8.Fp8GatedMLP)
     assert fused_model.model.layers[0].self_attn.k_proj.shared is fused_model.model.layers[0].self_attn.q_proj.shared
     tokens = torch.randint(0, fused_model.config.vocab_size, (2, 40), generator=_rng())
     calls = []
@@ -238,7 +238,7 @@ def test_shared_input_fusion_matches_separate_layers(tiny_llama, tmp_path, share
     for m in native_fp32.modules():
         if isinstance(m, qlayers.Fp8Linear):
             m.native = True
-    assert qlayers.fuse_shared_inputs(native_fp32, torch.float32) == layers
+    assert fusion_fp8.fuse_shared_inputs(native_fp32, torch.float32) == layers
 
 
 def test_engine_device_map_places_and_matches(tiny_llama, tmp_path, shared_cache):

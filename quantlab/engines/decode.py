@@ -26,10 +26,10 @@ How it plugs into transformers without touching a modeling file:
   own KVLayer in place of the shared cache, so nothing per layer is specialized and 32 layers compile once; the
   prefill runs through the same compiled layers, compiled for the prompt's shape, uncaptured), and with them the
   step's ops outside the layers (the final norm and rotary embedding: edge_modules; the argmax and the step's writes:
-  advance; QUANTLAB_COMPILE_EDGES), with inductor's horizontal fusion (QUANTLAB_COMBO_KERNELS), the residual add of a
-  one-row INT4 down projection in its kernel (quantlab.engines.fusion; QUANTLAB_INT4_RESIDUAL) and, on compute
-  capability 9.0+, programmatic dependent
-  launch (QUANTLAB_PDL; cuda_rtc.switch): each compiled kernel, the INT4 kernels and the decode-attention kernel
+  advance; engine.kernels.compile_edges), with inductor's horizontal fusion (engine.kernels.combo_kernels), the
+  residual add of a one-row INT4 down projection in its kernel (quantlab.engines.fusion; int4_residual_epilogue) and,
+  on compute capability 9.0+, programmatic dependent launch (engine.kernels.pdl, read through
+  kernels.device.current()): each compiled kernel, the INT4 kernels and the decode-attention kernel
   start while the previous kernel ends and wait for it before they touch its output. The argmax is two passes
   (first_argmax): one reduction over the vocabulary runs in one CUDA block. Models whose step cannot be captured run
   the same cached steps uncaptured: mixture-of-experts blocks (the expert loop reads the routing on the host) and
@@ -304,12 +304,14 @@ def _kernel_takes(base, implementation: str) -> bool:
 
 
 def _kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """FEATURES["attention_kernel"], and the kernel passed its check on this device (Triton runs there)."""
-    if not FEATURES.get("attention_kernel"):
-        return False
-    from quantlab.engines.kernels import attention, int4
+    """FEATURES["attention_kernel"], engine.kernels not disabling decode_attention, and the kernel passed its check
+    on this device (Triton runs there)."""
+    from quantlab.engines.kernels import attention
+    from quantlab.engines.kernels import device as kernel_device
 
-    return int4.available() and attention.usable(str(device), dtype)
+    if not FEATURES.get("attention_kernel") or not kernel_device.allowed("decode_attention"):
+        return False
+    return kernel_device.available() and attention.usable(str(device), dtype)
 
 
 def _eager_function(module: nn.Module):
@@ -426,18 +428,19 @@ def _options() -> dict | None:
     if COMPILE_BACKEND != "inductor":
         return None
     from quantlab.engines import fusion
-    from quantlab.engines.kernels import cuda_rtc
+    from quantlab.engines.kernels import device
 
+    ctx = device.current()  # engine.kernels, as the torch engine's build set it
     options = {"emulate_precision_casts": True}
-    if cuda_rtc.switch("QUANTLAB_PDL") and _inductor_has("triton.enable_pdl"):
+    if ctx.pdl and _inductor_has("triton.enable_pdl"):
         options["triton.enable_pdl"] = True  # on compute capability 9.0+ only (inductor checks)
     # inductor's horizontal fusion of a layer's independent kernels (rotary q, rotary k + cache write, cache write v:
     # one launch; measured: INT4 decode 2.28 -> 2.20 ms a token on the 8B shape)
-    if cuda_rtc.switch("QUANTLAB_COMBO_KERNELS") and _inductor_has("combo_kernels"):
+    if ctx.combo_kernels and _inductor_has("combo_kernels"):
         options["combo_kernels"] = True
     # a one-row INT4 down projection adds the layer's residual as it writes (fusion.ResidualAdd: the add's kernel
     # goes; nothing to rewrite in graphs without one)
-    if (cuda_rtc.switch("QUANTLAB_INT4_RESIDUAL") and fusion.available
+    if (ctx.allows("int4_residual_epilogue") and fusion.available
             and _inductor_has("post_grad_custom_post_pass")):
         options["post_grad_custom_post_pass"] = fusion.RESIDUAL_ADD
     return options
@@ -530,11 +533,11 @@ class Decoder:
             layer = _decoder_layer_of(model, name)
             if layer is not None:
                 self.layers.append((layer, self.cache.layers[module.layer_idx]))
-        from quantlab.engines.kernels import cuda_rtc
+        from quantlab.engines.kernels import device
 
         # compiled with the layers: the final norm and rotary embedding, and the step's argmax and writes (advance)
         self.edges = (edge_modules(model, self.layers[0][0] if self.layers else None)
-                      if self.compile and cuda_rtc.switch("QUANTLAB_COMPILE_EDGES") else None)
+                      if self.compile and device.current().compile_edges else None)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch, max_len + 1, dtype=torch.long, device=self.device)

@@ -5,7 +5,8 @@ only through views and exact round trips of its dtype (bf16 -> fp32 -> bf16), an
 quantlab::w4a16_k8_ordered_add: the kernel adds the other operand as it writes (the same two roundings as the add in
 the compute dtype), so the add's own kernel goes. In a decoder layer that is the MLP's down projection and the residual
 add the layer ends with (a graph output: nothing fuses it otherwise); the attention output's add feeds the next norm,
-which inductor already fuses with it, and is left alone. QUANTLAB_INT4_RESIDUAL=0 turns the rewrite off.
+which inductor already fuses with it, and is left alone. engine.kernels.disabled=[int4_residual_epilogue] turns
+the rewrite off.
 """
 from __future__ import annotations
 

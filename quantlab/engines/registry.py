@@ -22,10 +22,69 @@ RUNS = ("checkpoint", "calibrated", "model")
 
 # ---------------------------------------------------------------------------------------------- schemas
 @dataclass
+class KernelsConfig:
+    """engine.kernels: quantlab's own kernels and the decode path's switches. `disabled` names kernels of
+    quantlab.engines.kernels.names.KERNELS (or `all`: the torch reference numerics); `pdl`: programmatic dependent
+    launch on compute capability 9.0+; `compile_edges`: the decode step's final norm, rotary embedding and argmax
+    compiled with its layers; `combo_kernels`: inductor's horizontal fusion in the compiled layers. Checked when the
+    config is built (a name that is not a kernel is exit 2, before anything is computed)."""
+
+    disabled: list[str] = field(default_factory=list)
+    pdl: bool = True
+    compile_edges: bool = True
+    combo_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        check_kernel_names(self.disabled, "engine.kernels.disabled")
+
+    def resolved(self) -> dict:
+        """The switches in force: these, plus the names of $QUANTLAB_DISABLED_KERNELS (benches only; said once)."""
+        import os
+
+        from quantlab.engines.kernels.names import ENV_DISABLED
+
+        disabled = list(self.disabled)
+        extra = [n.strip() for n in os.environ.get(ENV_DISABLED, "").split(",") if n.strip()]
+        if extra:
+            check_kernel_names(extra, f"${ENV_DISABLED}")
+            if tuple(extra) not in _SAID_ENV:
+                _SAID_ENV.add(tuple(extra))
+                import logging
+
+                logging.getLogger("quantlab").warning(
+                    "$%s=%s adds %s to engine.kernels.disabled (an override for benches: prefer "
+                    "engine.kernels.disabled=[...])", ENV_DISABLED, os.environ[ENV_DISABLED], ", ".join(extra))
+            disabled += [n for n in extra if n not in disabled]
+        return {"disabled": sorted(disabled), "pdl": self.pdl, "compile_edges": self.compile_edges,
+                "combo_kernels": self.combo_kernels}
+
+    def is_default(self) -> bool:
+        """Whether every switch is at its default (the outputs' identity then names none)."""
+        return self.resolved() == KernelsConfig().resolved()
+
+
+_SAID_ENV: set = set()
+
+
+def check_kernel_names(names, where: str) -> None:
+    """Every name is one of quantlab's kernels or `all` (QuantlabError with a did-you-mean otherwise)."""
+    from quantlab.engines.kernels.names import ALL, KERNELS
+    from quantlab.errors import QuantlabError
+    from quantlab.registry import did_you_mean
+
+    choices = [*KERNELS, ALL]
+    for name in names:
+        if name not in choices:
+            raise QuantlabError(f"{where}: {name!r} is not one of quantlab's kernels{did_you_mean(name, choices)}",
+                                fix=f"name kernels among {', '.join(choices)}")
+
+
+@dataclass
 class TorchEngineConfig(EngineConfig):
     """quantlab's engine: the exported checkpoint with deployment numerics (FP8 / INT8 / INT4 GEMMs, FP8 KV)."""
 
     checkpoint: Optional[str] = None  # evaluate this exported checkpoint instead of quantizing (e.g. from hf_ptq)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
 @dataclass
@@ -99,7 +158,9 @@ class EngineSpec:
 
 ENGINES: Registry[EngineSpec] = Registry("engine", "engine=NAME")
 ENGINES.add("torch", EngineSpec("torch", TorchEngineConfig, "checkpoint", "quantlab.engines.torch_engine:build",
-                                "the exported checkpoint with deployment numerics", supports=_torch_supports))
+                                "the exported checkpoint with deployment numerics", supports=_torch_supports,
+                                identity=lambda cfg: {} if cfg.kernels.is_default() else
+                                {"kernels": cfg.kernels.resolved()}))
 ENGINES.add("trtllm", EngineSpec("trtllm", TrtllmEngineConfig, "checkpoint", "quantlab.engines.trtllm:build",
                                  "TensorRT-LLM's LLM API on the exported checkpoint", available=_trtllm_available,
                                  identity=lambda cfg: {"backend": cfg.trtllm_backend}))

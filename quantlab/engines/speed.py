@@ -96,7 +96,8 @@ def measure_batch(engines: dict, batch: int, prompt: int = PROMPT, steps: int = 
             "prefill_tokens_per_s": {n: batch * prompt / statistics.median(times[n][0]) for n in engines},
             "decode_speedup": _ratio(ref[1], cand[1]), "prefill_speedup": _ratio(ref[0], cand[0]),
             "kv_cache_bytes": {n: info[n]["kv_cache_bytes"] for n in engines},
-            "captured": {n: info[n]["captured"] for n in engines}}
+            "captured": {n: info[n]["captured"] for n in engines},
+            "compiled": {n: info[n]["compiled"] for n in engines}}
 
 
 def measure(candidate, reference, device, batches=BATCHES, capture: bool | None = None) -> dict:
@@ -106,7 +107,18 @@ def measure(candidate, reference, device, batches=BATCHES, capture: bool | None 
     engines = {"candidate": candidate, "reference": reference}
     for batch in batches:
         out["batches"].append(measure_batch(engines, batch, capture=capture))
+    out["path"] = path(out["batches"])
     return out
+
+
+def path(batches: list[dict]) -> str:
+    """Which decode path the timings ran, in words: the generations the verdict reads run the uncompiled cached
+    decode (HFModelEngine.greedy), and so does this section, so its figures are the judged engine's (bench/decode.py
+    times the compiled layers and says so)."""
+    compiled = any(b["compiled"]["candidate"] for b in batches)
+    captured = all(b["captured"]["candidate"] for b in batches)
+    layers = "compiled layers (torch.compile)" if compiled else "uncompiled layers, the path of the generations"
+    return f"{layers}, {'every step captured in a CUDA graph' if captured else 'steps not captured'}"
 
 
 def describe(speed: dict | None) -> str:
@@ -122,5 +134,5 @@ def describe(speed: dict | None) -> str:
                      f"unquantized: x{s['value']:.2f} [{s['ci'][0]:.2f}, {s['ci'][1]:.2f}], prefill "
                      f"x{b['prefill_speedup']['value']:.2f}")
     w = speed["weights_bytes"]
-    return (f"speed on {speed['device']} (paired rounds, CUDA graphs): " + "; ".join(parts)
+    return (f"speed on {speed['device']} (paired rounds; {speed.get('path', 'CUDA graphs')}): " + "; ".join(parts)
             + f"; weights {w['candidate'] / 1e9:.3f} GB vs {w['reference'] / 1e9:.3f} GB")

@@ -20,17 +20,11 @@ from quantlab.checkpoint import QUANTIZED_DTYPES, CheckpointTensors, QuantConfig
 from quantlab.config import DEVICE_MAPS
 from quantlab.engines import foreign  # noqa: F401 - registers the layer classes of other tools' formats in QLAYERS
 from quantlab.engines.base import Limits
+from quantlab.engines.fusion_fp8 import fuse_shared_inputs, use_fp8_gemv
+from quantlab.engines.fusion_int4 import fuse_int4_siblings
 from quantlab.engines.hf import HFModelEngine
 from quantlab.engines.moe import swap_experts
-from quantlab.engines.qlayers import (
-    QLAYERS,
-    LayerContext,
-    checked_scale,
-    fp8_qdq,
-    fuse_int4_siblings,
-    fuse_shared_inputs,
-    use_fp8_gemv,
-)
+from quantlab.engines.qlayers import QLAYERS, LayerContext, checked_scale, fp8_qdq
 from quantlab.errors import QuantlabError
 
 log = logging.getLogger("quantlab")
@@ -256,9 +250,35 @@ def dispatch(model: nn.Module, dmap, device_map: str | None) -> list[str] | None
     return placed
 
 
-def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None) -> tuple[nn.Module, dict]:
-    """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer."""
+def kernel_context(kernels=None):
+    """engine.kernels (a KernelsConfig; None: the defaults) as the kernels read it (the env override included)."""
+    from quantlab.engines.kernels.device import KernelContext
+    from quantlab.engines.registry import KernelsConfig
+
+    resolved = (kernels if kernels is not None else KernelsConfig()).resolved()
+    return KernelContext(frozenset(resolved["disabled"]), resolved["pdl"], resolved["compile_edges"],
+                         resolved["combo_kernels"])
+
+
+def kernel_choices(model: nn.Module) -> dict:
+    """Per layer shape ("N x K"), the kernel its format's priority list chose at load and every refusal's reason
+    (quantlab.engines.kernels.api.choose), for the plan in engine.json and run.json."""
+    out = {}
+    for m in model.modules():
+        choice = getattr(m, "choice", None)
+        if isinstance(choice, dict):
+            out.setdefault(f"{m.out_features}x{m.in_features}", choice)
+    return dict(sorted(out.items()))
+
+
+def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None = None,
+                  kernels=None) -> tuple[nn.Module, dict]:
+    """The exported checkpoint as a runnable model, and a plan saying which kernel runs each layer. kernels:
+    engine.kernels (a KernelsConfig; None: the defaults), configured for every kernel before any layer is built."""
+    from quantlab.engines.kernels import device as kernel_device
     from quantlab.formats import open_checkpoint
+
+    kernel_device.configure(kernel_context(kernels))
 
     ckpt = Path(ckpt)
     opened = open_checkpoint(ckpt)  # ModelOpt's unified format or another tool's (quantlab.formats)
@@ -288,7 +308,8 @@ def load_exported(ckpt: Path, device, dtype: torch.dtype, device_map: str | None
             "quantized_expert_projections": experts, "kernels": kernels,
             "formats": {a: sum(1 for v in replaced.values() if v == a) for a in sorted(set(replaced.values()))},
             "shared_input_groups": shared, "fp8_gemv_gemms": gemv, "devices": placed or [device.torch],
-            "group_size": quant.group_size, "dtype": str(dtype).removeprefix("torch.")}
+            "group_size": quant.group_size, "dtype": str(dtype).removeprefix("torch."),
+            "kernel_switches": kernel_device.current().describe(), "kernel_choices": kernel_choices(model)}
     return model.eval(), plan
 
 
@@ -301,16 +322,18 @@ class TorchEngine(HFModelEngine):
         self.plan = plan
 
 
-def build(_engine_cfg, inputs, limits: Limits) -> TorchEngine:
+def build(engine_cfg, inputs, limits: Limits) -> TorchEngine:
     """Load the exported checkpoint; the engine manifest (plan + limits) is stored and reused."""
     from quantlab.artifacts import write_json_atomic
     from quantlab.env import versions
 
     ckpt = inputs.checkpoint()
+    kernels = getattr(engine_cfg, "kernels", None)
     key = inputs.store.key("engine", engine="torch", arch=inputs.device.arch, torch=versions()["torch"],
                            model=inputs.ref.fingerprint, checkpoint=ckpt.fingerprint, limits=limits.describe(),
-                           dtype=str(inputs.dtype), device_map=inputs.device_map)
-    model, plan = load_exported(ckpt.path, inputs.device, inputs.dtype, inputs.device_map)
+                           dtype=str(inputs.dtype), device_map=inputs.device_map,
+                           **({} if kernels is None or kernels.is_default() else {"kernels": kernels.resolved()}))
+    model, plan = load_exported(ckpt.path, inputs.device, inputs.dtype, inputs.device_map, kernels)
 
     def write(out: Path) -> dict:
         write_json_atomic(out / "engine.json", {"checkpoint": str(ckpt.path), "limits": limits.describe(), **plan})

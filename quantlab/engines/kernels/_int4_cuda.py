@@ -29,7 +29,7 @@ XP reads x in the x order (int4_codes.in_x_order), thread t's 32 inputs of a blo
 (four 16-byte loads and no byte permutes instead of eight 8-byte loads and 16 permutes; the layers reorder x by views
 torch.compile folds into the norm producing x). The bulk-copy kernel has XP, not PQS.
 
-Both are launched as programmatic dependents on compute capability 9.0+ (QUANTLAB_PDL, cuda_rtc.switch): the
+Both are launched as programmatic dependents on compute capability 9.0+ (engine.kernels.pdl, device.pdl_on): the
 bulk-copy kernel requests its tile's codes before it waits for the previous kernel (griddepcontrol.wait), so the
 first codes arrive while that kernel ends (its scale loads are written before the wait too, but ptxas places them
 after it); the register-fed kernel waits first (loading its first codes, or prefetching its tile into L2, before the

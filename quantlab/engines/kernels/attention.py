@@ -23,8 +23,7 @@ import math
 
 import torch
 
-from quantlab.engines.kernels import cuda_rtc
-from quantlab.engines.kernels.int4 import _sm_count, available, interpreted
+from quantlab.engines.kernels.device import available, interpreted, pdl_on, sm_count, triton_pdl
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
@@ -50,7 +49,7 @@ def plan(batch: int, kv_heads: int, max_len: int, device: str, head_dim: int) ->
     """(tiles per program, splits) for a cache of max_len positions read block_l(head_dim) positions a tile:
     splits until batch x KV heads x splits reaches TARGET_PROGRAMS per SM (at most one split per tile)."""
     tiles = -(-max_len // block_l(head_dim))
-    splits = max(1, min(tiles, -(-TARGET_PROGRAMS * _sm_count(device) // (batch * kv_heads))))
+    splits = max(1, min(tiles, -(-TARGET_PROGRAMS * sm_count(device) // (batch * kv_heads))))
     per = -(-tiles // splits)
     return per, -(-tiles // per)
 
@@ -77,7 +76,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
     out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
     ws, cnt = _SCRATCH.get(q.device, b * hkv * nsplit * block_g * (block_d + 2), b * hkv)
     k_scale, v_scale = scales if scales is not None else (ws, ws)
-    pdl = not interpreted() and cuda_rtc.pdl_on(q.device) and cuda_rtc.triton_pdl()
+    pdl = not interpreted() and pdl_on(q.device) and triton_pdl()
     _attention_triton.decode_attention[(b * hkv, nsplit)](
         q, k_cache, v_cache, out, pos, k_scale, v_scale, ws, cnt,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -17,72 +17,7 @@ import sys
 
 import torch
 
-# Switches of the decode path, read from the environment when used (unset or 1: on, 0: off; anything else is refused
-# by switch(), and check_switches() runs before a run computes anything):
-# - QUANTLAB_PDL: programmatic dependent launch (PDL) of the engine's own decode kernels and of the compiled layers'
-#   kernels on compute capability 9.0+: a kernel starts while the previous one ends and waits (griddepcontrol.wait)
-#   before it touches what that one wrote, so its weight loads overlap the previous kernel's tail; 0 for a comparison
-#   or a driver that refuses it (each kernel then starts when the previous one has ended).
-# - QUANTLAB_COMBO_KERNELS: inductor's horizontal fusion in the compiled decoder layers (decode._options).
-# - QUANTLAB_INT4_XORDER: one-row INT4 layers hand the kernel x in its input order (int4_codes.in_x_order).
-# - QUANTLAB_INT4_EPILOGUE: SiLU * up in the INT4 gate|up kernel's epilogue (qlayers.Int4GatedMLP).
-# - QUANTLAB_INT4_RESIDUAL: a compiled layer's residual add in its one-row INT4 down projection's kernel (fusion).
-# - QUANTLAB_COMPILE_EDGES: the decode step's ops outside the layers (final norm, rotary embedding, argmax and the
-#   step's writes) compiled with the layers (decode.edge_modules, decode.advance).
-SWITCHES = ("QUANTLAB_PDL", "QUANTLAB_COMBO_KERNELS", "QUANTLAB_INT4_XORDER", "QUANTLAB_INT4_EPILOGUE",
-            "QUANTLAB_INT4_RESIDUAL", "QUANTLAB_COMPILE_EDGES")
-
-
-def switch(name: str) -> bool:
-    """An on / off switch from the environment: unset, empty or 1 is on, 0 is off; any other value raises."""
-    value = os.environ.get(name, "").strip()
-    if value in ("", "1"):
-        return True
-    if value == "0":
-        return False
-    from quantlab.errors import QuantlabError
-
-    raise QuantlabError(f"{name}={value!r} is not an on / off switch", fix=f"set {name}=1 (on) or {name}=0 (off), "
-                        "or unset it")
-
-
-def check_switches() -> None:
-    """Every decode switch's value is 0, 1 or unset (QuantlabError naming the one that is not)."""
-    for name in SWITCHES:
-        switch(name)
-
-
-@functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def capability(device: torch.device | str) -> tuple[int, int]:
-    """A CUDA device's compute capability (the current device where it names none), queried once per device."""
-    dev = torch.device(device)
-    return _capability_of(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-_PDL_REFUSED: list[str] = []  # the driver's refusal of a programmatic launch, once: every later launch is plain
-
-
-def pdl_on(device: torch.device | str) -> bool:
-    """Whether kernels on this device are launched as programmatic dependents (PDL, compute capability 9.0+, and
-    the driver has not refused one)."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or _PDL_REFUSED or not switch("QUANTLAB_PDL"):
-        return False
-    return capability(dev)[0] >= 9
-
-
-@functools.cache
-def triton_pdl() -> bool:
-    """Whether this Triton has the grid-dependency intrinsics the Triton kernels use under PDL."""
-    try:
-        from triton.language.extra import cuda as triton_cuda
-    except ImportError:
-        return False
-    return hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
+from quantlab.engines.kernels.device import PDL_REFUSED
 
 
 class RtcError(RuntimeError):
@@ -212,7 +147,7 @@ class Module:
                 cargs.append(a)
         ptrs = (ctypes.c_void_p * len(cargs))(*[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in cargs])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if pdl and not _PDL_REFUSED:
+        if pdl and not PDL_REFUSED:
             attr = pdl_attribute()
             config = _LaunchConfig(*grid, *block, shared, stream, ctypes.pointer(attr), 1)
             try:
@@ -220,7 +155,7 @@ class Module:
                           f"launch {name} (programmatic dependent)")
                 return
             except (RtcError, AttributeError) as exc:  # an older driver: the plain launch below, from now on
-                _PDL_REFUSED.append(str(exc))
+                PDL_REFUSED.append(str(exc))
                 logging.getLogger("quantlab").warning("cuda: %s; kernels are launched without PDL", exc)
         _cu_check(driver().cuLaunchKernel(self.functions[name], *grid, *block, shared, stream, ptrs, None),
                   f"launch {name}")

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from quantlab.engines.kernels import cuda_rtc
-from quantlab.engines.kernels.int4 import _sm_count, available, failed_rows, first_split, interpreted
+from quantlab.engines.kernels.api import failed_rows
+from quantlab.engines.kernels.device import allowed, available, first_split, interpreted, pdl_on, sm_count, triton_pdl
 from quantlab.engines.kernels.scratch import Scratch
 
 log = logging.getLogger("quantlab")
@@ -56,7 +56,7 @@ def valid_splits(k: int, block_k: int) -> list[int]:
 
 def default_config(n: int, k: int, device: str = "cuda", block_n: int = 32, block_k: int = 256,
                    num_warps: int = 4) -> dict | None:
-    """block_n rows x block_k inputs a step (halved while K does not take it), K split as int4.first_split chooses
+    """block_n rows x block_k inputs a step (halved while K does not take it), K split as device.first_split chooses
     (TARGET_WAVES programs per SM); None where K is not a multiple of 16."""
     while block_k > 16 and k % block_k:
         block_k //= 2
@@ -64,7 +64,7 @@ def default_config(n: int, k: int, device: str = "cuda", block_n: int = 32, bloc
     if not splits:
         return None
     tiles = -(-n // block_n)
-    split = first_split(splits, tiles, _sm_count(device))
+    split = first_split(splits, tiles, sm_count(device))
     return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": num_warps}
 
 
@@ -96,7 +96,7 @@ def launch(xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: to
     split = cfg["split_k"]
     grid = (triton.cdiv(n, cfg["block_n"]), split, m)
     ws, cnt = _SCRATCH.get(xq.device, split * m * n if split > 1 else 0, grid[0] * m)
-    pdl = not interpreted() and cuda_rtc.pdl_on(xq.device) and cuda_rtc.triton_pdl()
+    pdl = not interpreted() and pdl_on(xq.device) and triton_pdl()
     _fp8_triton.fp8_gemv[grid](xq, w, scale_a.float().reshape(()), scale_b.float().reshape(()), y, ws, cnt, n, k,
                                BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=split,
                                UNROLL=bool(cfg.get("unroll", False)), PDL=pdl,
@@ -119,8 +119,8 @@ def _(xq, w, _scale_a, _scale_b, out_dtype):
 
 def applies(rows: int, n: int, k: int, device: torch.device | str) -> bool:
     """Whether quantlab::fp8_gemv multiplies `rows` rows of an [N, K] layer on `device`: one row, a measured
-    configuration for the shape, and the kernel usable there."""
-    return rows == 1 and config(n, k) is not None and usable(str(device))
+    configuration for the shape, the kernel usable there, and engine.kernels not disabling it (fp8_gemv)."""
+    return rows == 1 and allowed("fp8_gemv") and config(n, k) is not None and usable(str(device))
 
 
 # ------------------------------------------------------------------------------------------------ checks
