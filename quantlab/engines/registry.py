@@ -106,6 +106,25 @@ class TrtllmEngineConfig(EngineConfig):
     trtllm_backend: str = "pytorch"  # pytorch | tensorrt
 
 
+@dataclass
+class ServedEngineConfig(EngineConfig):
+    """A running OpenAI-compatible server (llama.cpp's, vLLM, SGLang, trtllm-serve) judged through its API on the
+    same tokens (quantlab.engines.served; docs/served.md)."""
+
+    base_url: Optional[str] = None  # http(s)://HOST:PORT of the server (required)
+    model: Optional[str] = None  # the model name the server serves (checked against its /v1/models)
+    dialect: str = "llama_cpp"  # llama_cpp | vllm | sglang | openai: how prompt log-probs are asked for
+    top_logprobs: int = 20  # k alternatives per position (vLLM caps it with --max-logprobs, default 20)
+    timeout_s: float = 120.0  # one request
+    retries: int = 3  # more tries of a failed request (connection, timeout, 429 / 5xx), with backoff
+    concurrency: int = 2  # requests in flight at once
+    api_key_env: Optional[str] = None  # NAME of the environment variable holding the API key (never logged)
+    revision: Optional[str] = None  # part of the cache key: change it when the server is given another checkpoint
+    command: Optional[str] = None  # started by quantlab: a template with {port} (and {checkpoint}); base_url unset
+    serve_checkpoint: Optional[str] = None  # what {checkpoint} names (a path: its size and mtime join the cache key)
+    startup_timeout_s: float = 300.0  # the started server must answer /v1/models within this
+
+
 # ---------------------------------------------------------------------------------------------- entries
 def _always() -> str | None:
     return None
@@ -164,6 +183,9 @@ ENGINES.add("torch", EngineSpec("torch", TorchEngineConfig, "checkpoint", "quant
 ENGINES.add("trtllm", EngineSpec("trtllm", TrtllmEngineConfig, "checkpoint", "quantlab.engines.trtllm:build",
                                  "TensorRT-LLM's LLM API on the exported checkpoint", available=_trtllm_available,
                                  identity=lambda cfg: {"backend": cfg.trtllm_backend}))
+ENGINES.add("served", EngineSpec("served", ServedEngineConfig, "model", "quantlab.engines.served:build",
+                                 "a running OpenAI-compatible server, through its API",
+                                 identity=lambda cfg: importlib.import_module("quantlab.engines.served").identity(cfg)))
 ENGINES.add("fakequant", EngineSpec("fakequant", FakequantEngineConfig, "calibrated",
                                     "quantlab.engines.fakequant:plain", "ModelOpt's fake-quant model as calibrated"))
 ENGINES.add("reference", EngineSpec("reference", ReferenceEngineConfig, "model", "quantlab.engines.hf:reference",

@@ -175,6 +175,48 @@ def _compare_positions_f64(ref_logits, cand_logits, targets) -> dict:
             "argmax_ref": top[..., 0].int(), "argmax_cand": cand_logits.argmax(-1).int()}
 
 
+def compare_sparse(ref_logits, target_lp, top_ids, top_lp, targets) -> dict:
+    """compare_positions for a candidate known only by sparse log-probs (a server, quantlab.engines.served): the
+    target token's log-prob target_lp [B, C] (NLL, delta-p exact), its top k ids / log-probs [B, C, k] in descending
+    order (-1 / -inf: none; top-1 agreement exact).
+
+    KL(ref || cand) is the KL of both distributions collapsed onto S = the served top k plus the target, and one
+    bucket for the rest: sum_{v in S} P_v log(P_v / Q_v) + P_out log(P_out / Q_out), P_out = 1 - P(S),
+    Q_out = 1 - Q(S). By the log-sum inequality it is a lower bound of the full-vocabulary KL, equal to it when the
+    reference puts no mass outside S, and the gap is sum_{v not in S} P_v log(P_v / Q_v) - P_out log(P_out / Q_out):
+    zero when the served distribution outside S is proportional to the reference's; no upper bound exists without
+    the served probabilities outside S. `ref_out` (P_out per position) says how much the bound leaves open.
+    dp_top: exact when the reference's top token is in S, else 0 (the served probability is <= the k-th)."""
+    import torch
+
+    lp_r = torch.log_softmax(ref_logits.double(), -1)
+    t = targets.long()
+    ids = torch.cat([top_ids.long(), t.unsqueeze(-1)], -1)
+    q = torch.cat([top_lp.double(), target_lp.double().unsqueeze(-1)], -1)
+    valid = ids >= 0
+    dup = (ids[..., -1:] == ids[..., :-1]).any(-1)  # the target is among the top k already
+    valid[..., -1] &= ~dup
+    safe = ids.clamp_min(0)
+    p_lp = lp_r.gather(-1, safe)
+    pv = torch.where(valid, p_lp.exp(), torch.zeros_like(p_lp))
+    qv = torch.where(valid, q.exp(), torch.zeros_like(q))
+    inside = torch.where(valid & (pv > 0), pv * (p_lp - torch.where(valid, q, torch.zeros_like(q))),
+                         torch.zeros_like(pv)).sum(-1)
+    p_out = (1 - pv.sum(-1)).clamp_min(0.0)
+    q_out = (1 - qv.sum(-1)).clamp_min(1e-300)
+    outside = torch.where(p_out > 0, p_out * (torch.log(p_out.clamp_min(1e-300)) - torch.log(q_out)),
+                          torch.zeros_like(p_out))
+    kl = (inside + outside).clamp_min(0.0)
+    am_r = lp_r.argmax(-1)
+    in_top = (ids == am_r.unsqueeze(-1)) & valid
+    q_top = torch.where(in_top, qv, torch.zeros_like(qv)).sum(-1)
+    lp_r_t = lp_r.gather(-1, t.unsqueeze(-1))[..., 0]
+    return {"nll_ref": (-lp_r_t).float(), "nll_cand": (-target_lp.double()).float(), "kl": kl.float(),
+            "dp_true": (target_lp.double().exp() - lp_r_t.exp()).float(),
+            "dp_top": (q_top - lp_r.gather(-1, am_r.unsqueeze(-1))[..., 0].exp()).float(),
+            "argmax_ref": am_r.int(), "argmax_cand": top_ids[..., 0].int(), "ref_out": p_out.float()}
+
+
 def router_agreement(ref_ids, cand_ids):
     """[B, T] share of MoE layers where the candidate's top-k expert set equals the reference's (ids sorted)."""
     return (ref_ids.to(cand_ids.device) == cand_ids).all(-1).float().mean(-1)

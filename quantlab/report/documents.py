@@ -67,7 +67,7 @@ def numerics_note(doc: dict) -> str:
     measured."""
     num, moved = doc.get("numerics") or {}, machine_dependent(doc)
     if not num.get("measured"):
-        return ""
+        return num.get("served", "")  # engine=served: what its KL bound leaves open (evaluate._served_note)
     if not moved:
         return (f"Numerics: last-bit perturbations of every linear layer's input ({num['windows']} windows evaluated "
                 "again) move no printed digit: these figures are the same on another CPU or GPU arithmetic.")

@@ -242,11 +242,18 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
     if hasattr(engine, "verify_head"):
         engine.verify_head(tokens[:1, : min(tokens.shape[1], 64)])
     fields: dict[str, list] = {k: [] for k in POSITION_FIELDS}
+    extra: dict[str, list] = {"ref_out": [], "repeat_max_abs_dlogprob": [], "ambiguous": []}
     router: list = []
     for blo in progress.iterate(range(0, tokens.shape[0], cfg.batch_size), "candidate", tokens.shape[0], "windows",
                                 cfg.batch_size):
         batch = tokens[blo: blo + cfg.batch_size]
         out = _oom_guard(lambda batch=batch: engine.forward(batch), cfg.batch_size)
+        if out.sparse is not None:  # a server: sparse log-probs, no logits (quantlab.engines.served)
+            _compare_sparse_batch(out.sparse, batch, ref_block["hidden"][blo: blo + batch.shape[0]], head, fields,
+                                  extra)
+            if blo == 0 and prompts is not None and hasattr(engine, "repeat_check"):
+                extra["repeat_max_abs_dlogprob"].append(torch.tensor([engine.repeat_check(batch[:1])]))
+            continue
         if out.router is not None and "router" in ref_block:
             ref_ids = ref_block["router"][blo: blo + batch.shape[0]]
             router.append(metrics.router_agreement(ref_ids, out.router)[:, :-1].cpu())
@@ -267,10 +274,33 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
     arrays = {k: torch.cat(v).to(getattr(torch, POSITION_FIELDS[k])) for k, v in fields.items()}
     if router:
         arrays["router_agree"] = torch.cat(router).float()
+    arrays.update({k: torch.cat(v).float() for k, v in extra.items() if v})
     if prompts is not None and "gen" in ref_block:
         arrays["gen"] = engine.greedy(prompts, cfg.gen_tokens).cpu()
         arrays["gen_ref"] = ref_block["gen"]  # so a cached candidate needs nothing of the reference
     return arrays
+
+
+def _compare_sparse_batch(sparse, batch, ref_hidden, head, fields: dict, extra: dict) -> None:
+    """One batch of a sparse-log-prob candidate (a server) against the reference's recomputed logits."""
+    import torch
+
+    device = head.device
+    targets, ref_hidden = batch[:, 1:].to(device), ref_hidden.to(device)
+    t = targets.shape[1]
+    step = _chunk(batch.shape[0], head.vocab)
+    rows: dict[str, list] = {k: [] for k in (*POSITION_FIELDS, "ref_out")}
+    for p in range(0, t, step):
+        q = min(p + step, t)
+        cmp = metrics.compare_sparse(head(ref_hidden[:, p:q]), sparse.target[:, p:q].to(device),
+                                     sparse.ids[:, p:q].to(device), sparse.logprobs[:, p:q].to(device),
+                                     targets[:, p:q])
+        for k in rows:
+            rows[k].append(cmp[k].cpu())
+    for k in POSITION_FIELDS:
+        fields[k].append(torch.cat(rows[k], 1))
+    extra["ref_out"].append(torch.cat(rows["ref_out"], 1))
+    extra["ambiguous"].append(torch.tensor([float(sparse.ambiguous)]))
 
 
 def compare_engines(reference, candidate, tokens, cfg: EvalConfig) -> Windows:
@@ -355,6 +385,7 @@ class CandidateBlocks:
 
 def _generation_record(prompts, ref_gen, cand_gen, n: int, tokenizer) -> dict:
     def text(ids):
+        ids = [i for i in ids if i >= 0]  # a server's generated token it could not name (engines.served): -1
         if tokenizer is None:
             return " ".join(map(str, ids))
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -512,7 +543,9 @@ def numerics_noise(blocks: CandidateBlocks, n_used: int) -> dict:
             "evaluate", numerics=NUMERICS_EPS, block=blocks.key(0)), build, {"block": [lo, hi]},
             describe=f"{blocks.spec.name} windows {lo + 1}-{hi} with last-bit perturbations")
     except _NoModel:
-        return {"measured": False, "why": f"engine {blocks.spec.name} has no torch model to perturb"}
+        note = _served_note(blocks.block(0))
+        return {"measured": False, "why": f"engine {blocks.spec.name} has no torch model to perturb",
+                **({"served": note} if note else {})}
     base, moved = blocks.block(0), load_file(str(art.path / CAND_FILE))
     out = {"measured": True, "eps": NUMERICS_EPS, "windows": hi - lo, "n_used": n_used, "metrics": {}}
     for name, key in NUMERICS_METRICS.items():
@@ -527,6 +560,20 @@ def numerics_noise(blocks: CandidateBlocks, n_used: int) -> dict:
 
 class _NoModel(Exception):
     pass
+
+
+def _served_note(block: dict) -> str:
+    """What a server's block 0 says about its own noise and the KL bound (nothing for other engines)."""
+    if "ref_out" not in block:
+        return ""
+    out = block["ref_out"].double()
+    note = (f"Served: perplexity and top-1 are exact; KL is a lower bound from the server's top-k log-probs (the "
+            f"reference's mass outside them: mean {float(out.mean()):.2g}, max {float(out.max()):.2g}; "
+            "docs/served.md)")
+    if "repeat_max_abs_dlogprob" in block:
+        note += (f"; the server's own noise, window 1 sent twice: max |Δ log p| "
+                 f"{float(block['repeat_max_abs_dlogprob'].max()):.2g}")
+    return note + "."
 
 
 def _per_window(arrays: dict, key: str) -> np.ndarray:
@@ -606,8 +653,9 @@ def candidate_identity(spec: EngineSpec, r) -> str:
     if spec.runs == "checkpoint":
         extra = spec.identity(r.ctx.cfg.engine) if spec.name == r.ctx.engine.name else {}
         return f"{r.fingerprint('export')}:{''.join(str(v) for v in extra.values())}"
-    if spec.runs == "model":
-        return r.fingerprint("prepare")
+    if spec.runs == "model":  # the reference itself, or a server (its identity: URL, model, k, revision)
+        extra = spec.identity(r.ctx.cfg.engine) if spec.name == r.ctx.engine.name else {}
+        return r.fingerprint("prepare") + "".join(f":{v}" for v in extra.values())
     return r.key("quantize")
 
 

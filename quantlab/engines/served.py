@@ -1,0 +1,752 @@
+"""engine=served: a running OpenAI-compatible server judged through its API on the same tokens (docs/served.md).
+
+Each evaluation window goes to the server's completions endpoint with echo and log-probabilities; what comes back
+per predicted position is the log-prob of the actual next token (so NLL and perplexity are exact) and the server's
+top k alternatives (top-1 agreement exact; KL(ref || served) a lower bound, quantlab.gate.metrics.compare_sparse).
+The server must see exactly the tokens quantlab scores: its tokenization of every prompt is compared with the
+window, and the first differing position ends the run (exit 2) with the likely cause.
+
+Dialect llama_cpp (llama-cpp-python's server, the one run here): it takes text prompts only, so a window is sent as
+its text and the server's own tokenization (/extras/tokenize) must equal the window's ids (a window cut inside a
+merge is sent with a short separator after it that makes its text tokenize back to its ids; the extra tokens are
+not scored). Its echo log-probs are aligned with the prompt only when the prompt starts with BOS (without it each
+token's log-prob is read from the distribution after that same token), so windows must start with BOS
+(eval.prefix_token=bos); it reports no log-prob for the first prompt entry, so position 0 (the first text token after
+BOS, whose context is BOS alone, the same in every window) comes from one request for the whole distribution after
+BOS. Its alternatives are keyed by token text: quantlab maps each text back to the one token id with that text (a
+text several ids share is ambiguous and counted).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import signal
+import socket
+import string
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from quantlab.engines.base import Engine, Limits, Outputs
+from quantlab.errors import QuantlabError
+
+log = logging.getLogger("quantlab")
+DIALECTS = ("llama_cpp", "vllm", "sglang", "trtllm")  # llama_cpp run here; the others written to their documented
+# APIs and not run here (docs/served.md)
+ID_DIALECTS = ("vllm", "sglang", "trtllm")  # they take windows as token ids
+SEPARATORS = ("", "x", " x", "\n", " ", ".", "0")  # tried after a window whose text does not tokenize back
+RESUME = "finished windows are kept: the same command resumes where it stopped"
+
+
+@dataclass
+class SparseLogprobs:
+    """What a server returns for [B, T] windows, per predicted position p (0..T-2, predicting token p+1):
+    target [B, T-1] float64 log p(token p+1); ids [B, T-1, K] int64 top-k ids in descending order (-1: none);
+    logprobs [B, T-1, K] float64 (-inf: none). `ambiguous` counts alternatives whose text named several ids."""
+
+    target: object
+    ids: object
+    logprobs: object
+    ambiguous: int = 0
+
+
+def check_config(cfg, eval_cfg=None) -> None:
+    """engine.* before any compute: an http(s) URL, a model name, k >= 1, a known dialect, the API key's variable
+    set, llama_cpp windows starting with BOS (exit 2 naming the fix)."""
+    if getattr(cfg, "command", None):
+        check_command(cfg)
+    url = cfg.base_url or ("http://127.0.0.1:1" if getattr(cfg, "command", None) else None)
+    if not url:
+        raise QuantlabError("engine=served needs the server's address, or the command that starts one",
+                            fix="set engine.base_url=http://HOST:PORT, or engine.command='... --port {port}'")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise QuantlabError(f"engine.base_url={url!r} is not an http(s) URL",
+                            fix="set engine.base_url=http://HOST:PORT (or https://...)")
+    if not cfg.model:
+        raise QuantlabError("engine=served needs the served model's name",
+                            fix="set engine.model=NAME (the id the server lists under /v1/models)")
+    if cfg.dialect not in DIALECTS:
+        raise QuantlabError(f"engine.dialect={cfg.dialect!r} is not one quantlab runs",
+                            fix=f"use one of {', '.join(DIALECTS)} (docs/served.md)")
+    for knob in ("top_logprobs", "concurrency"):
+        if getattr(cfg, knob) < 1:
+            raise QuantlabError(f"engine.{knob}={getattr(cfg, knob)} must be 1 or more", fix=f"set engine.{knob}=1")
+    if cfg.retries < 0 or cfg.timeout_s <= 0:
+        raise QuantlabError("engine.retries must be >= 0 and engine.timeout_s > 0", fix="engine.retries=3 "
+                            "engine.timeout_s=120")
+    if cfg.api_key_env and not os.environ.get(cfg.api_key_env):
+        raise QuantlabError(f"engine.api_key_env={cfg.api_key_env}: that environment variable is not set",
+                            fix=f"export {cfg.api_key_env}=... (the key is read from it, never logged), or drop "
+                                "engine.api_key_env")
+    if eval_cfg is not None and cfg.dialect == "llama_cpp" and str(eval_cfg.prefix_token).lower() != "bos":
+        raise QuantlabError("llama-cpp-python's server aligns echoed log-probs with the prompt only when it starts "
+                            "with BOS (without it each token's log-prob is read after that same token)",
+                            fix="add eval.prefix_token=bos (every window: BOS, then seq_len - 1 text tokens)")
+
+
+class Client:
+    """JSON over http(s) with a timeout, retries with backoff (connection errors, timeouts, 429 and 5xx), and the
+    API key from the environment (sent as a bearer token, never logged). Every failure is a QuantlabError."""
+
+    def __init__(self, cfg, base_url: str | None = None):
+        self.base = (base_url or cfg.base_url).rstrip("/")
+        self.timeout, self.retries = float(cfg.timeout_s), int(cfg.retries)
+        self.down = None  # for a started server: what to say when it has exited (ServerProcess.down)
+        self._key_env = cfg.api_key_env
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self._key_env:
+            headers["Authorization"] = "Bearer " + os.environ.get(self._key_env, "")
+        return headers
+
+    def call(self, path: str, body: dict | None = None) -> dict:
+        """GET (body None) or POST path; the parsed JSON object."""
+        url = self.base + path
+        data = None if body is None else json.dumps(body).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+            try:
+                req = urllib.request.Request(url, data=data, headers=self._headers(),
+                                             method="GET" if body is None else "POST")
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 - http(s) checked
+                    raw = resp.read()
+                break
+            except urllib.error.HTTPError as exc:
+                detail = exc.read()[:400].decode("utf-8", "replace")
+                if exc.code in (429, 500, 502, 503, 504) and attempt < self.retries and "logits_all" not in detail:
+                    last = f"HTTP {exc.code}"
+                    continue
+                raise http_error(url, exc.code, detail) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                last = str(getattr(exc, "reason", exc))
+        else:
+            down = self.down() if self.down else None
+            if down:
+                raise QuantlabError(down, fix=f"see the server's log; {RESUME}")
+            raise QuantlabError(f"the server at {self.base} did not answer {path} after {self.retries + 1} tries "
+                                f"({last})", fix=f"start the server (or check engine.base_url), raise "
+                                                 f"engine.timeout_s for a slow one; {RESUME}")
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            raise malformed(url, "not JSON") from None
+        if not isinstance(out, dict):
+            raise malformed(url, "not a JSON object")
+        return out
+
+
+def http_error(url: str, code: int, detail: str) -> QuantlabError:
+    """The QuantlabError of an HTTP error answer, with the fix its status (or its text) points to."""
+    if "logits_all" in detail:
+        return QuantlabError(f"the server at {url} returns no prompt log-probabilities ({detail.strip()[:200]})",
+                             fix="start llama-cpp-python's server with --logits_all true")
+    if code in (401, 403):
+        return QuantlabError(f"the server refused the request to {url} (HTTP {code}): a missing or wrong API key",
+                             fix="put the key in an environment variable and set engine.api_key_env=ITS_NAME")
+    if code == 404:
+        return QuantlabError(f"{url} does not exist (HTTP 404): not an OpenAI-compatible server, or another dialect",
+                             fix="check engine.base_url (no /v1 suffix) and engine.dialect")
+    return QuantlabError(f"the server answered {url} with HTTP {code}: {detail.strip()[:300]}",
+                         fix=f"check the server's log; {RESUME}")
+
+
+def malformed(url: str, what: str) -> QuantlabError:
+    """A response that does not have the expected shape."""
+    return QuantlabError(f"malformed response from {url}: {what}",
+                         fix="check that engine.dialect matches the server (docs/served.md)")
+
+
+# ------------------------------------------------------------------------------------------- token texts
+def _byte_decoder() -> dict:
+    """GPT-2 byte-level BPE: the printable character each byte is written as, inverted."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def token_texts(tokenizer) -> tuple[list[str], list[bool]]:
+    """Each id's text as llama.cpp's server writes it (the token's bytes decoded as UTF-8 with undecodable bytes
+    dropped; control tokens (BOS, EOS, chat markers) as the empty text), and whether that text is all of the token
+    (its bytes are complete UTF-8: not a piece of a multi-byte character)."""
+    table = _byte_decoder()
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    texts, whole = [], []
+    for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special or piece is None:
+            texts.append("")
+            whole.append(False)
+        elif all(c in table for c in piece):
+            raw = bytes(table[c] for c in piece)
+            texts.append(raw.decode("utf-8", "ignore"))
+            try:
+                raw.decode("utf-8")
+                whole.append(True)
+            except UnicodeDecodeError:
+                whole.append(False)
+        else:
+            texts.append(tokenizer.decode([i]))
+            whole.append(True)
+    return texts, whole
+
+
+def text_index(texts: list[str], whole: list[bool] | None = None) -> tuple[dict, set]:
+    """text -> id, and the set of texts several ids share. A shared text maps to the one id among them whose text
+    is all of the token (' ' is the space token, not the space before the first byte of a curly quote), else to
+    None (ambiguous: skipped)."""
+    owners: dict[str, list[int]] = {}
+    for i, t in enumerate(texts):
+        owners.setdefault(t, []).append(i)
+    index, shared = {}, set()
+    for t, ids in owners.items():
+        if len(ids) == 1:
+            index[t] = ids[0]
+            continue
+        shared.add(t)
+        full = [i for i in ids if whole is not None and whole[i]]
+        index[t] = full[0] if len(full) == 1 else None
+    return index, shared
+
+
+# --------------------------------------------------------------------------------------------- the engine
+class ServedEngine(Engine):
+    """The llama_cpp dialect over a running llama-cpp-python server (see the module doc)."""
+
+    name = "served"
+
+    def __init__(self, cfg, tokenizer, limits: Limits, server: ServerProcess | None = None):
+        super().__init__(limits, "cpu")
+        self.server = server
+        self.cfg, self.client, self.tok = cfg, Client(cfg, server.url if server else None), tokenizer
+        if server is not None:
+            self.client.down = server.down
+        self.bos = tokenizer.bos_token_id
+        self.texts, whole = token_texts(tokenizer)
+        self.index, self.shared = text_index(self.texts, whole)
+        self._first: dict | None = None
+        self._lock = threading.Lock()
+        self.repeat: dict | None = None
+        self.check_server()
+
+    def check_server(self) -> None:
+        """The server answers /v1/models and serves engine.model (llama-cpp-python answers any name with its
+        default model, so a wrong name is caught here)."""
+        url = self.client.base + "/v1/models"
+        data = self.client.call("/v1/models").get("data")
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise malformed(url, "no list of models under 'data'")
+        ids = [m["id"] for m in data]
+        if self.cfg.model not in ids:
+            raise QuantlabError(f"the server at {self.client.base} does not serve engine.model={self.cfg.model!r} "
+                                f"(it serves: {', '.join(map(repr, ids)) or 'nothing'})",
+                                fix="set engine.model to one of those, or start the server with that model")
+
+    # -------------------------------------------------------------------------------------------- wire
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def server_tokens(self, text: str) -> list[int]:
+        """The server's own tokenization of a text."""
+        out = self.client.call("/extras/tokenize", {"input": text, "model": self.cfg.model}).get("tokens")
+        if not isinstance(out, list) or not all(isinstance(t, int) for t in out):
+            raise malformed(self.client.base + "/extras/tokenize", "no list of token ids under 'tokens'")
+        return out
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """A text the server tokenizes into ids (then possibly a few extra tokens); exit 2 at the first differing
+        position otherwise."""
+        text = self._text(ids)
+        got: list[int] = []
+        for sep in SEPARATORS:
+            got = self.server_tokens(text + sep)
+            if got[: len(ids)] == ids:
+                return text + sep
+        d = next((i for i, (a, b) in enumerate(zip(ids, got, strict=False)) if a != b), min(len(ids), len(got)))
+        ours = self.texts[ids[d]] if d < len(ids) else "(end)"
+        theirs = self.texts[got[d]] if d < len(got) and 0 <= got[d] < len(self.texts) else "(end)"
+        if d == 0 and got[:1] == [self.bos] and ids[:1] != [self.bos]:
+            cause = "the server adds BOS itself (its model's add_bos_token): a second BOS"
+        elif self._text(got[d:]).startswith(self._text(ids[d: d + 4])[:1] or "\0"):
+            cause = ("the server splits the same text into other tokens: its tokenizer is not the model's on this "
+                     "text (llama.cpp's own tokenizer splits some runs of whitespace unlike transformers'; start "
+                     "llama-cpp-python's server with --hf_pretrained_model_name_or_path MODEL_DIR, the model's "
+                     "tokenizer, so that it tokenizes as the model does)")
+        else:
+            cause = ("the server's tokenizer is not the model's (another checkpoint or vocabulary), or a chat "
+                     "template / BOS is applied to the prompt")
+        raise QuantlabError(f"the server does not see the tokens sent: first difference at position {d} (sent id "
+                            f"{ids[d] if d < len(ids) else None} {ours!r}, the server has id "
+                            f"{got[d] if d < len(got) else None} {theirs!r}); likely cause: {cause}",
+                            fix="serve the same checkpoint and tokenizer quantlab evaluates (the model's GGUF), "
+                                "without a chat template; or check eval.prefix_token")
+
+    def completion(self, prompt: str, **extra) -> dict:
+        """One /v1/completions request (temperature 0); the first choice, validated."""
+        url = self.client.base + "/v1/completions"
+        body = {"model": self.cfg.model, "prompt": prompt, "temperature": 0.0, **extra}
+        out = self.client.call("/v1/completions", body)
+        choices = out.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise malformed(url, "no 'choices'")
+        return choices[0]
+
+    def _logprobs(self, choice: dict, url: str) -> dict:
+        lp = choice.get("logprobs")
+        if not isinstance(lp, dict):
+            raise QuantlabError(f"the server at {url} returned no log-probabilities",
+                                fix="start llama-cpp-python's server with --logits_all true")
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            if not isinstance(lp.get(key), list):
+                raise malformed(url, f"logprobs has no list '{key}'")
+        if not (len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])):
+            raise malformed(url, "logprobs lists of different lengths")
+        return lp
+
+    def _top(self, entry, k: int) -> tuple[list, list, int]:
+        """A top_logprobs dict -> (ids, log-probs) of its first k texts mapped to ids, and the ambiguous count.
+
+        llama-cpp-python builds the dict from the ids in descending order, keyed by text: a text several ids share
+        keeps the place of the most probable of them but the value of the last one written (a less probable id, or
+        the actual token's); so entries are taken in the server's order, a shared text is the id of its whole-token
+        owner (text_index), its value is raised to the next entry's where it fell below, and it is counted as
+        ambiguous. A text no single id owns is skipped (counted)."""
+        if not isinstance(entry, dict) or not all(isinstance(v, (int, float)) for v in entry.values()):
+            raise malformed(self.client.base + "/v1/completions", "a top_logprobs entry is not {text: number}")
+        items = list(entry.items())[:k]
+        ids, lps, amb = [], [], 0
+        for n, (text, value) in enumerate(items):
+            i = self.index.get(text)
+            if text in self.shared:
+                amb += 1
+            if i is None:
+                continue
+            value = float(value)
+            if text in self.shared and n + 1 < len(items):
+                value = max(value, float(items[n + 1][1]))
+            ids.append(i)
+            lps.append(value)
+        return ids, lps, amb
+
+    def first_position(self) -> dict:
+        """The distribution after BOS alone (position 0 of every window): one request for all of it."""
+        with self._lock:
+            if self._first is None:
+                url = self.client.base + "/v1/completions"
+                choice = self.completion(self._text([self.bos]), max_tokens=1, echo=False, logprobs=len(self.texts))
+                top = self._logprobs(choice, url)["top_logprobs"]
+                if not top or not isinstance(top[0], dict):
+                    raise malformed(url, "no top_logprobs for the token after BOS")
+                ids, lps, amb = self._top(top[0], len(self.texts))
+                self._first = {"lp": dict(zip(ids, lps, strict=True)), "ids": ids, "lps": lps, "ambiguous": amb}
+        return self._first
+
+    def window(self, ids: list[int]) -> tuple[list, list, list, int]:
+        """One window -> per position (target log-prob, top ids, top log-probs) and the ambiguous count."""
+        import math as _m
+
+        k, url = int(self.cfg.top_logprobs), self.client.base + "/v1/completions"
+        if self.cfg.dialect in ID_DIALECTS:
+            path, body = REQUESTS[self.cfg.dialect](self.cfg.model, ids, k)
+            return (*PARSERS[self.cfg.dialect](self.client.call(path, body), ids, k, self.client.base + path), 0)
+        if ids[0] != self.bos:
+            raise QuantlabError("a window does not start with BOS, which llama-cpp-python's server needs",
+                                fix="add eval.prefix_token=bos")
+        lp = self._logprobs(self.completion(self.prompt_text(ids), max_tokens=1, echo=True, logprobs=k), url)
+        n = len(ids) - 1  # predicted positions; the server drops the leading BOS from its echo
+        if len(lp["tokens"]) < n + 1:
+            raise malformed(url, f"{len(lp['tokens'])} echoed tokens for a prompt of {len(ids)} (BOS dropped) plus one "
+                                 "generated")
+        for p in range(1, n):  # the echoed texts are the texts of the ids sent
+            if lp["tokens"][p] != self.texts[ids[p + 1]]:
+                raise QuantlabError(f"the server echoed {lp['tokens'][p]!r} at position {p + 1} where "
+                                    f"{self.texts[ids[p + 1]]!r} was sent",
+                                    fix="serve the model's own tokenizer, without a chat template")
+        first = self.first_position()
+        target = [first["lp"].get(ids[1], -_m.inf)]
+        tops = [(first["ids"][:k], first["lps"][:k])]
+        amb = int(ids[1] not in first["lp"])
+        for p in range(1, n):
+            value = lp["token_logprobs"][p]
+            if not isinstance(value, (int, float)):
+                raise malformed(url, f"token_logprobs[{p}] is not a number")
+            target.append(float(value))
+            t_ids, t_lps, a = self._top(lp["top_logprobs"][p], k)
+            tops.append((t_ids, t_lps))
+            amb += a
+        return target, [t[0] for t in tops], [t[1] for t in tops], amb
+
+    # ---------------------------------------------------------------------------------------- engine API
+    def _forward(self, tokens) -> Outputs:
+        import torch
+
+        rows = [row.tolist() for row in tokens.cpu()]
+        with ThreadPoolExecutor(max_workers=int(self.cfg.concurrency)) as pool:
+            results = list(pool.map(self.window, rows))
+        k = int(self.cfg.top_logprobs)
+        b, n = len(rows), len(rows[0]) - 1
+        ids = torch.full((b, n, k), -1, dtype=torch.int64)
+        lps = torch.full((b, n, k), -math.inf, dtype=torch.float64)
+        target = torch.empty((b, n), dtype=torch.float64)
+        amb = 0
+        for i, (t, top_ids, top_lps, a) in enumerate(results):
+            target[i] = torch.tensor(t, dtype=torch.float64)
+            amb += a
+            for p, (pi, pl) in enumerate(zip(top_ids, top_lps, strict=True)):
+                ids[i, p, : len(pi)] = torch.tensor(pi, dtype=torch.int64)
+                lps[i, p, : len(pl)] = torch.tensor(pl, dtype=torch.float64)
+        return Outputs(sparse=SparseLogprobs(target, ids, lps, amb))
+
+    def repeat_check(self, tokens) -> float:
+        """The server's own noise: one window sent twice; the largest |difference| of its target log-probs."""
+        a = self.window(tokens[0].tolist())[0]
+        b = self.window(tokens[0].tolist())[0]
+        return max((abs(x - y) for x, y in zip(a, b, strict=True) if math.isfinite(x) and math.isfinite(y)),
+                   default=0.0)
+
+    def greedy(self, prompts, new_tokens: int):
+        """Greedy continuations through the completions API (temperature 0), ids read back from the returned token
+        texts (a text several ids share, or an early stop at EOS, is -1: a divergence from there)."""
+        import torch
+
+        self.limits.check(prompts.shape[0], prompts.shape[1], new_tokens)
+        url = self.client.base + "/v1/completions"
+
+        def one(row):
+            if self.cfg.dialect in ID_DIALECTS:
+                return generated_ids(self, row, new_tokens)
+            choice = self.completion(self.prompt_text(row), max_tokens=new_tokens, echo=False, logprobs=1)
+            texts = self._logprobs(choice, url)["tokens"]
+            got = [self.index.get(t) for t in texts][:new_tokens]
+            return [-1 if g is None else g for g in got] + [-1] * (new_tokens - len(got))
+
+        with ThreadPoolExecutor(max_workers=int(self.cfg.concurrency)) as pool:
+            out = list(pool.map(one, [row.tolist() for row in prompts.cpu()]))
+        self.forward_batches += 1
+        return torch.tensor(out, dtype=torch.int64)
+
+    def close(self) -> None:
+        """Stop the server quantlab started (a server at engine.base_url is left running)."""
+        if self.server is not None:
+            self.server.stop()
+
+
+# ------------------------------------------------------------------------------ dialects that take token ids
+# Written to the servers' documented APIs and NOT run here (no GPU serving stack on the project's machines):
+#   vllm   POST /v1/completions, prompt as token ids, the `prompt_logprobs` extra parameter (k capped by the server's
+#          --max-logprobs, default 20); choices[0].prompt_logprobs: one entry per prompt token, None first, else
+#          {"<id>": {"logprob", "rank", "decoded_token"}} holding the top k and the prompt's own token.
+#   sglang POST /generate (native API) with input_ids, return_logprob, logprob_start_len 0, top_logprobs_num k;
+#          meta_info.input_token_logprobs [[logprob | None, id, text | None], ...] and input_top_logprobs.
+#   trtllm POST /v1/completions (trtllm-serve), prompt as token ids, return_context_logits (the full [T, V] logits
+#          of the prompt; its TensorRT backend needs an engine built with context logits gathered).
+def _vllm_request(model, ids, k):
+    return "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                               "prompt_logprobs": k, "add_special_tokens": False}
+
+
+def _sglang_request(_model, ids, k):
+    return "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                         "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k}
+
+
+def _trtllm_request(model, ids, _k):
+    return "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                               "return_context_logits": True, "add_special_tokens": False}
+
+
+def echo_mismatch(ids: list[int], got: list[int], where: str) -> QuantlabError:
+    """The server's prompt is not the window: exit 2 naming the first differing position and the likely cause."""
+    d = next((i for i, (a, b) in enumerate(zip(ids, got, strict=False)) if a != b), min(len(ids), len(got)))
+    cause = ("the server added a token (BOS) to the prompt" if len(got) > len(ids) and got[1:] == ids[: len(got) - 1]
+             else "the server's tokenizer or checkpoint is not the one quantlab evaluates")
+    return QuantlabError(f"the server at {where} does not see the tokens sent: {len(got)} prompt tokens for "
+                         f"{len(ids)} sent, first difference at position {d}; likely cause: {cause}",
+                         fix="serve the checkpoint and tokenizer quantlab evaluates, with no template or BOS added "
+                             "(add_special_tokens is sent false)")
+
+
+def _choice(out: dict, where: str) -> dict:
+    choices = out.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise malformed(where, "no 'choices'")
+    return choices[0]
+
+
+def _number(value, where: str, what: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise malformed(where, f"{what} is not a number")
+    return float(value)
+
+
+def parse_vllm(out: dict, ids: list[int], k: int, where: str) -> tuple[list, list, list]:
+    """vLLM's prompt_logprobs -> per predicted position (target log-prob, top ids, top log-probs)."""
+    plp = _choice(out, where).get("prompt_logprobs")
+    if not isinstance(plp, list):
+        raise QuantlabError(f"the server at {where} returned no prompt_logprobs",
+                            fix="use a vLLM with prompt_logprobs on /v1/completions, started with --max-logprobs "
+                                f">= engine.top_logprobs ({k})")
+    if len(plp) != len(ids):
+        raise echo_mismatch(ids, [-1] * len(plp), where)
+    target, tops_i, tops_l = [], [], []
+    for p in range(1, len(ids)):
+        entry = plp[p]
+        if not isinstance(entry, dict) or not all(isinstance(v, dict) for v in entry.values()):
+            raise malformed(where, f"prompt_logprobs[{p}] is not {{id: {{logprob, rank}}}}")
+        if str(ids[p]) not in entry:  # vLLM always lists the prompt's own token: another one means another prompt
+            raise echo_mismatch(ids, [*ids[:p], -1], where)
+        target.append(_number(entry[str(ids[p])].get("logprob"), where, f"prompt_logprobs[{p}] logprob"))
+        ranked = sorted(((_number(v.get("logprob"), where, "a logprob"), int(key)) for key, v in entry.items()
+                         if isinstance(v.get("rank"), int) and v["rank"] <= k), reverse=True)[:k]
+        tops_i.append([i for _, i in ranked])
+        tops_l.append([lp for lp, _ in ranked])
+    return target, tops_i, tops_l
+
+
+def parse_sglang(out: dict, ids: list[int], k: int, where: str) -> tuple[list, list, list]:
+    """SGLang's input_token_logprobs / input_top_logprobs -> per predicted position (target, top ids, top lps)."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict) or not isinstance(meta.get("input_token_logprobs"), list):
+        raise QuantlabError(f"the server at {where} returned no input_token_logprobs",
+                            fix="use SGLang's native /generate with return_logprob (engine.dialect=sglang)")
+    toks, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs")
+    if not all(isinstance(t, list) and len(t) >= 2 for t in toks) or not isinstance(tops, list) \
+            or len(tops) != len(toks):
+        raise malformed(where, "input_token_logprobs / input_top_logprobs are not lists of [logprob, id, text]")
+    got = [t[1] for t in toks]
+    if got != ids:
+        raise echo_mismatch(ids, got, where)
+    target, tops_i, tops_l = [], [], []
+    for p in range(1, len(ids)):
+        target.append(_number(toks[p][0], where, f"input_token_logprobs[{p}]"))
+        row = tops[p] if isinstance(tops[p], list) else []
+        ranked = sorted(((_number(t[0], where, "a top logprob"), int(t[1])) for t in row), reverse=True)[:k]
+        tops_i.append([i for _, i in ranked])
+        tops_l.append([lp for lp, _ in ranked])
+    return target, tops_i, tops_l
+
+
+def parse_trtllm(out: dict, ids: list[int], k: int, where: str) -> tuple[list, list, list]:
+    """trtllm-serve's context_logits [T, V] -> per predicted position (target, top ids, top log-probs)."""
+    import numpy as np
+
+    choice = _choice(out, where)
+    logits = choice.get("context_logits")
+    if not isinstance(logits, list) or len(logits) != len(ids):
+        raise QuantlabError(f"the server at {where} returned no context logits for the {len(ids)} prompt tokens",
+                            fix="start trtllm-serve with context logits gathered (the TensorRT backend: an engine "
+                                "built with --gather_context_logits)")
+    sent = out.get("prompt_token_ids")
+    if isinstance(sent, list) and sent and sent != ids:
+        raise echo_mismatch(ids, sent, where)
+    usage = out.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and usage["prompt_tokens"] != len(ids):
+        raise echo_mismatch(ids, [-1] * usage["prompt_tokens"], where)
+    x = np.asarray(logits[:-1], dtype=np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    top = np.argsort(-lp, -1)[:, :k]
+    rows = np.arange(len(ids) - 1)
+    return (lp[rows, ids[1:]].tolist(), top.tolist(), np.take_along_axis(lp, top, -1).tolist())
+
+
+REQUESTS = {"vllm": _vllm_request, "sglang": _sglang_request, "trtllm": _trtllm_request}
+PARSERS = {"vllm": parse_vllm, "sglang": parse_sglang, "trtllm": parse_trtllm}
+
+
+def generated_ids(engine: ServedEngine, row: list[int], n: int) -> list[int]:
+    """Greedy continuation ids from an id dialect (vLLM: return_tokens_as_token_ids; SGLang: the output tokens'
+    ids; trtllm-serve: the choice's token_ids); -1 past an early stop."""
+    client, model = engine.client, engine.cfg.model
+    if engine.cfg.dialect == "sglang":
+        out = client.call("/generate", {"input_ids": row, "return_logprob": True, "logprob_start_len": len(row),
+                                        "sampling_params": {"max_new_tokens": n, "temperature": 0.0,
+                                                            "ignore_eos": True}})
+        toks = (out.get("meta_info") or {}).get("output_token_logprobs")
+        got = [t[1] for t in toks] if isinstance(toks, list) else None
+    else:
+        body = {"model": model, "prompt": row, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                "add_special_tokens": False}
+        if engine.cfg.dialect == "vllm":
+            body.update(logprobs=1, return_tokens_as_token_ids=True)
+        choice = _choice(client.call("/v1/completions", body), client.base + "/v1/completions")
+        if engine.cfg.dialect == "vllm":
+            texts = (choice.get("logprobs") or {}).get("tokens")
+            got = [int(t.split(":", 1)[1]) for t in texts] if isinstance(texts, list) and all(
+                isinstance(t, str) and t.startswith("token_id:") for t in texts) else None
+        else:
+            got = choice.get("token_ids")
+    if not isinstance(got, list) or not all(isinstance(i, int) for i in got):
+        raise malformed(client.base, "no generated token ids")
+    return got[:n] + [-1] * (n - len(got[:n]))
+
+
+def build(cfg, inputs, limits: Limits) -> ServedEngine:
+    """engine=served: the server at engine.base_url, or the one engine.command starts (stopped on close, on any
+    error and at exit), checked (reachable, serving engine.model) before use."""
+    from quantlab.models import load_tokenizer
+
+    check_config(cfg)
+    tokenizer = load_tokenizer(inputs.ref)
+    server = ServerProcess(cfg, run_dir()) if cfg.command else None
+    try:
+        return ServedEngine(cfg, tokenizer, limits, server)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+
+
+def identity(cfg) -> dict:
+    """What names the served candidate in the cache: the server (its URL, or the command and the checkpoint file it
+    serves, by size and mtime), the model name, k, the dialect and engine.revision."""
+    out = {"model": cfg.model, "k": cfg.top_logprobs, "dialect": cfg.dialect, "revision": cfg.revision}
+    if getattr(cfg, "command", None):
+        out["command"] = cfg.command
+        if cfg.serve_checkpoint:
+            path = Path(cfg.serve_checkpoint)
+            stat = path.stat() if path.exists() else None
+            out["checkpoint"] = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else str(path)
+    else:
+        out["url"] = cfg.base_url
+    return out
+
+
+# ------------------------------------------------------------------------------------- a started server
+def check_command(cfg) -> None:
+    """engine.command before anything starts: a template whose only fields are {port} (required) and {checkpoint}
+    (which needs engine.serve_checkpoint, an existing path), and no engine.base_url beside it."""
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(cfg.command) if f is not None}
+    except ValueError as exc:
+        raise QuantlabError(f"engine.command is not a template: {exc}",
+                            fix="write literal braces as {{ }}; name only {port} and {checkpoint}") from None
+    if fields - {"port", "checkpoint"}:
+        raise QuantlabError(f"engine.command names {', '.join(sorted(fields - {'port', 'checkpoint'}))}: only {{port}} "
+                            "and {checkpoint} are filled in", fix="name only {port} and {checkpoint}")
+    if "port" not in fields:
+        raise QuantlabError("engine.command has no {port}: quantlab picks a free port and must tell the server",
+                            fix="add --port {port} (or the server's own flag) to engine.command")
+    if cfg.base_url:
+        raise QuantlabError("engine.base_url and engine.command are both set",
+                            fix="drop engine.base_url (the started server's address is http://127.0.0.1:{port})")
+    if "checkpoint" in fields:
+        if not cfg.serve_checkpoint:
+            raise QuantlabError("engine.command names {checkpoint} but engine.serve_checkpoint is not set",
+                                fix="set engine.serve_checkpoint=PATH (the file or directory the server loads)")
+        if not Path(cfg.serve_checkpoint).exists():
+            raise QuantlabError(f"engine.serve_checkpoint={cfg.serve_checkpoint} does not exist",
+                                fix="point engine.serve_checkpoint at the checkpoint the server loads")
+    if not shlex.split(cfg.command):
+        raise QuantlabError("engine.command is empty", fix="give the server's command line")
+
+
+def run_dir() -> Path:
+    """The run directory of the run being executed (its server log goes there); a temporary one outside a run."""
+    from quantlab import progress
+
+    dirs = getattr(progress, "_in_run", None)
+    if dirs:
+        return Path(dirs[-1])
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="quantlab-served-"))
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """engine.command started on localhost in its own process group (the whole group is stopped: a launcher and
+    its workers), health-checked on /v1/models within engine.startup_timeout_s, its output in RUN_DIR/server.log,
+    stopped on close, on error and at exit."""
+
+    def __init__(self, cfg, log_dir: Path):
+        import atexit
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        ckpt = shlex.quote(str(cfg.serve_checkpoint)) if cfg.serve_checkpoint else ""
+        argv = shlex.split(cfg.command.format(port=self.port, checkpoint=ckpt))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / "server.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log.info("served: starting %s (log %s)", shlex.join(argv), self.log_path)
+        try:
+            self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except OSError as exc:
+            self._log.close()
+            raise QuantlabError(f"engine.command could not start: {exc}",
+                                fix="check the command's first word (on PATH?) and its arguments") from None
+        atexit.register(self.stop)
+        try:
+            self._wait(float(cfg.startup_timeout_s))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _tail(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_bytes()[-1500:].decode("utf-8", "replace").strip()
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise QuantlabError(f"the server engine.command started exited with code {code} before answering; "
+                                    f"the end of {self.log_path}:\n{self._tail()}",
+                                    fix="fix the server's command line (its log says why it stopped)")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2):  # noqa: S310 - localhost http
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(0.3)
+        raise QuantlabError(f"the server engine.command started did not answer {self.url}/v1/models within "
+                            f"{timeout:g} s (log: {self.log_path})",
+                            fix="raise engine.startup_timeout_s for a server that loads slowly, or check its log")
+
+    def down(self) -> str | None:
+        """A sentence naming the server as exited (with its exit code and log), None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return f"the server quantlab started exited mid-run (code {code}); the end of {self.log_path}:\n{self._tail()}"
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 10 s; idempotent."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if not self._log.closed:
+            self._log.close()
