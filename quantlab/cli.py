@@ -289,6 +289,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _checked_before_hydra(args: list[str], plan_only: bool, multirun: bool) -> list[str]:
+    """What can be refused before Hydra makes a run directory: the overrides' syntax, the output directory, and
+    (one run) the composed config's values (preflight.check_config). Raises QuantlabError."""
+    hydra_flag = any(a in HYDRA_FLAGS for a in args)
+    if not hydra_flag:
+        args = check_argv(args)
+    if not plan_only:
+        check_output_dir(args, multirun)
+        if not multirun and not hydra_flag:
+            check_config_first(args)
+    return args
+
+
 def _main(args: list[str]) -> int:
     import hydra
 
@@ -301,12 +314,7 @@ def _main(args: list[str]) -> int:
     args = [a for a in args if a != "--plan"]
     multirun = ("-m" in args or "--multirun" in args) and not any(a in HYDRA_FLAGS for a in args)
     try:
-        if not any(a in HYDRA_FLAGS for a in args):
-            args = check_argv(args)
-        if not plan_only:
-            check_output_dir(args, multirun)
-            if not multirun and not any(a in HYDRA_FLAGS for a in args):
-                check_config_first(args)
+        args = _checked_before_hydra(args, plan_only, multirun)
     except QuantlabError as exc:
         print(f"quantlab: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

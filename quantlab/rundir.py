@@ -121,7 +121,8 @@ def place_checkpoint(path: Path, source: Path, mode: str = "hardlink") -> str:
     """The checkpoint a run judged, placed in its run directory as path: "hardlink" (every file hard-linked to the
     cache's copy where both are on one filesystem, copied where not: no extra disk in the usual case), "copy", or
     "symlink" (one link into the cache: a copied or uploaded run directory, or a pruned cache, leaves it dangling).
-    Built beside path and renamed into place; what it did ("hardlink", "copy" or "symlink")."""
+    A single file (engine.checkpoint=FILE.gguf) is placed as a directory holding it. Built beside path and renamed
+    into place; what it did ("hardlink", "copy" or "symlink")."""
     if mode not in CHECKPOINT_MODES:
         raise QuantlabError(f"run_checkpoint={mode} is not one of {', '.join(CHECKPOINT_MODES)}",
                             fix="set run_checkpoint=hardlink (the default), copy or symlink")
@@ -143,7 +144,11 @@ def place_checkpoint(path: Path, source: Path, mode: str = "hardlink") -> str:
                 did = "copy"
         shutil.copy2(src, dst)
 
-    shutil.copytree(source, tmp, copy_function=place, symlinks=False)
+    if source.is_file():  # a single-file checkpoint (a GGUF): a directory holding it, as quantlab reads one
+        tmp.mkdir(parents=True)
+        place(str(source), str(tmp / source.name))
+    else:
+        shutil.copytree(source, tmp, copy_function=place, symlinks=False)
     _remove(path)
     os.replace(tmp, path)
     return did

@@ -119,6 +119,31 @@ def test_one_interval_per_metric_the_gates(tiny_llama, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ portable run directories
+def test_a_single_file_checkpoint_is_placed_as_a_directory_holding_it(tmp_path):
+    """engine.checkpoint=FILE.gguf: the run directory gets checkpoint/FILE.gguf (a hard link or a copy, never a
+    link into the source), under every mode but symlink; a directory is placed file for file."""
+    import os
+
+    from quantlab.rundir import place_checkpoint
+
+    src = tmp_path / "src" / "model.Q8_0.gguf"
+    src.parent.mkdir()
+    src.write_bytes(b"GGUF" + bytes(range(256)))
+    for mode in ("hardlink", "copy"):
+        run = tmp_path / f"run_{mode}"
+        run.mkdir()
+        did = place_checkpoint(run / "checkpoint", src, mode)
+        placed = run / "checkpoint" / src.name
+        assert (run / "checkpoint").is_dir() and not (run / "checkpoint").is_symlink()
+        assert placed.read_bytes() == src.read_bytes() and not placed.is_symlink()
+        assert did == mode and (os.path.samefile(placed, src) == (mode == "hardlink"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    place_checkpoint(tmp_path / "run_copy" / "checkpoint", folder, "copy")  # replaces what was there
+    assert sorted(p.name for p in (tmp_path / "run_copy" / "checkpoint").iterdir()) == ["config.json"]
+
+
 def test_the_checkpoint_is_inside_the_run_dir_and_the_audit_finds_its_reference(tiny_llama, tmp_path):
     """RUN/checkpoint is a directory of files (hard links into the cache: no extra disk), not a link; a copied run
     directory still holds it after the cache is gone; quantlab.audit RUN/checkpoint finds the run's reference."""
