@@ -389,3 +389,26 @@ def test_a_served_run_end_to_end(q8, tmp_path, shared_cache):
     assert 1.0 <= doc["metrics"]["ppl_ratio"]["value"] < 1.1  # llama.cpp's Q8_0 activations: a little above 1
     assert "lower bound" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "server.log").stat().st_size > 0
+    # where it went wrong: quantlab's engine on the same GGUF file (a single-file checkpoint), the same tokens;
+    # the summary pairs the two runs by the checkpoint's content and attributes by the two verdicts
+    from quantlab.report.sweep import ATTRIBUTION, attribution, summary_rows, write_summary
+
+    own = tmp_path / "own"
+    code = run_api([f"engine.checkpoint={q8}", "eval.prefix_token=bos", f"cache_dir={shared_cache}", *FAST], own)
+    assert code in (0, 1)
+    assert (own / "checkpoint" / q8.name).is_file()
+    rows = summary_rows([tmp_path, own])
+    [entry] = attribution(rows)
+    assert entry["served"]["engine"] == "served" and entry["quantlab"]["engine"] == "torch"
+    assert entry["paired_by"] == "the same checkpoint file"
+    want = ATTRIBUTION[(entry["quantlab"]["verdict"], entry["served"]["verdict"])]
+    assert (entry["attributed"], entry["says"]) == want
+    md, _ = write_summary(tmp_path / "summary", [tmp_path, own], rows)
+    assert "Where it went wrong" in md.read_text() and want[0] in md.read_text()
+    other = tmp_path / "other"  # another checkpoint (Q4_0) judged by quantlab: not the served file, not paired
+    q4 = tmp_path / "smollm2-q4_0.gguf"
+    requantize(_gguf_source(), q4, "Q4_0")
+    assert run_api([f"engine.checkpoint={q4}", "eval.prefix_token=bos", f"cache_dir={shared_cache}", *FAST],
+                   other) in (0, 1)
+    [alone] = attribution(summary_rows([tmp_path, other]))
+    assert alone["quantlab"] is None and "no run of quantlab's engine" in alone["says"]

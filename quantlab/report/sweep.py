@@ -267,12 +267,92 @@ def _row(run_dir: Path) -> dict:
                              or _metric(doc, "ppl_ratio", "ci95")),
                kl_mean=_metric(doc, "kl_mean"), flips=_flips(doc), **_checkpoint(record), pareto=False,
                notes=notes, stopped=row["verdict"] in (*STOPPED.values(), "AUDIT FAIL", "INCOMPLETE"))
+    row.update(_identity(run_dir, record, doc))
     speed, problem = _speed(doc)
     row.update(speed)
     if problem:
         notes.append(problem)
         log.warning("%s: its speed section is damaged; the row shows no speed", run_dir / "metrics.json")
     return row
+
+
+QUANTLAB_ENGINES = ("torch", "fakequant", "trtllm")  # engines that run quantlab's own path on the checkpoint
+CHECKPOINT_FILES = (".gguf", ".safetensors")
+
+
+def _identity(run_dir: Path, record: dict, doc: dict) -> dict:
+    """What the attribution pairs runs by: the evaluation tokens' fingerprint and the checkpoint files the run
+    judged (a served run: engine.serve_checkpoint; other engines: the checkpoint in the run dir and its source)."""
+    data = record.get("data") if isinstance(record.get("data"), dict) else {}
+    evalset = data.get("eval") if isinstance(data.get("eval"), dict) else {}
+    engine_cfg = ((record.get("config") or {}).get("engine") or {}) if isinstance(record.get("config"), dict) else {}
+    paths = []
+    if isinstance(engine_cfg, dict) and engine_cfg.get("serve_checkpoint"):
+        paths.append(str(engine_cfg["serve_checkpoint"]))
+    if (run_dir / "checkpoint").exists():
+        paths.append(str(run_dir / "checkpoint"))
+    source = ((doc.get("run") or {}).get("checkpoint") or {}) if isinstance(doc.get("run"), dict) else {}
+    if isinstance(source, dict) and source.get("path"):
+        paths.append(str(source["path"]))
+    return {"eval_data": evalset.get("fingerprint"), "checkpoint_files": sorted(_files_of(paths))}
+
+
+def _files_of(paths: list[str]) -> set[str]:
+    """A content key of every weights file at these paths (a file, or the weights files of a directory): its size
+    and the SHA-256 of its first and last MiB (the header and the last tensors), so that a copy, a hard link and
+    its source are one file while reading only 2 MiB of each."""
+    import hashlib
+
+    out = set()
+    for p in paths:
+        path = Path(p)
+        try:
+            files = [path] if path.is_file() else [f for f in path.iterdir() if f.suffix in CHECKPOINT_FILES]
+            for f in files:
+                size = f.stat().st_size
+                with f.open("rb") as fh:
+                    digest = hashlib.sha256(fh.read(2**20))
+                    fh.seek(max(0, size - 2**20))
+                    digest.update(fh.read(2**20))
+                out.add(f"{size}:{digest.hexdigest()[:16]}")
+        except OSError:
+            continue
+    return out
+
+
+ATTRIBUTION = {
+    ("PASS", "PASS"): ("agree", "both pass: the server computes what quantlab's engine judged"),
+    ("PASS", "FAIL"): ("the serving stack", "quantlab's engine passes this checkpoint on the same tokens and the "
+                       "server does not: its kernels, KV cache, context or RoPE settings, or tokenizer"),
+    ("FAIL", "FAIL"): ("the export", "quantlab's engine fails it too: the checkpoint itself is off"),
+    ("FAIL", "PASS"): ("check the deployment", "the server passes where quantlab's engine fails: make sure it serves "
+                       "this checkpoint (quantlab's numerics may also be stricter than the server's)"),
+}
+
+
+def attribution(rows: list[dict]) -> list[dict]:
+    """Where it went wrong: each served run beside the run of quantlab's own engine on the same model, the same
+    evaluation tokens and (where both record it) the same checkpoint file, else the same precision; both against
+    the same reference. A served run without such a partner is listed with the reason."""
+    out = []
+    for served in (r for r in rows if r["engine"] == "served"):
+        same = [r for r in rows if r["engine"] in QUANTLAB_ENGINES and r["model"] == served["model"]
+                and r.get("eval_data") and r.get("eval_data") == served.get("eval_data")]
+        by_file = [r for r in same if set(r["checkpoint_files"]) & set(served["checkpoint_files"])]
+        partners, how = (by_file, "the same checkpoint file") if by_file else (
+            [r for r in same if r["precision"] == served["precision"]], "the same precision")
+        entry = {"served": served, "quantlab": None, "paired_by": None, "attributed": None, "says": None}
+        if len(partners) != 1:
+            entry["says"] = ("no run of quantlab's engine on the same evaluation tokens and checkpoint" if not partners
+                             else f"{len(partners)} runs of quantlab's engine match ({how}): not attributed")
+        else:
+            q = partners[0]
+            entry.update(quantlab=q, paired_by=how)
+            entry["attributed"], entry["says"] = ATTRIBUTION.get(
+                (q["verdict"], served["verdict"]),
+                ("not attributable", f"verdicts {q['verdict']} (quantlab's engine) and {served['verdict']} (served)"))
+        out.append(entry)
+    return out
 
 
 def recommend(rows: list[dict]) -> dict | None:
@@ -343,6 +423,7 @@ def write_summary(out_dir: Path, run_dirs: list[Path], rows: list[dict] | None =
            "stopped": [r for r in rows if r["stopped"]], "models": models,
            "damaged": [(r["name"], n) for r in rows for n in r["notes"]],
            "fastest": fastest(rows), "speed_plot": speed_pareto(rows), "speed_not_measured": speed_not_measured(rows),
+           "attribution": attribution(rows),
            "speed_devices": sorted({r["speed_device"] for r in rows if r["speed_device"]})}
     env = environment()
     out_dir.mkdir(parents=True, exist_ok=True)
