@@ -412,3 +412,23 @@ def test_a_served_run_end_to_end(q8, tmp_path, shared_cache):
                    other) in (0, 1)
     [alone] = attribution(summary_rows([tmp_path, other]))
     assert alone["quantlab"] is None and "no run of quantlab's engine" in alone["says"]
+
+
+def test_a_ppl_gate_inside_the_servers_own_noise_is_refused():
+    """Window 1 sent twice moved a log-prob by d: a ppl_ratio bound within exp(d) - 1 of 1 decides on the server's
+    noise and is exit 2 naming the bound it needs; a deterministic server (d = 0) or a wider bound passes."""
+    from quantlab.api import config
+    from quantlab.errors import QuantlabError
+    from quantlab.gate import checks as gate_checks
+    from quantlab.stages.evaluate import check_served_noise
+
+    cfg = config(["+precision=int8_sq"])
+    thresholds = gate_checks.thresholds_for(cfg.gate, "int8_sq", cfg.eval.seq_len)
+    bound = thresholds["ppl_ratio"].max
+    margin = math.log(bound)  # a log-prob moved by this much moves perplexity by exactly the bound's margin
+    for d in (0.0, margin * 0.5):
+        check_served_noise({"repeat_max_abs_dlogprob": torch.tensor([d])}, thresholds)
+    check_served_noise({}, thresholds)  # not a server
+    with pytest.raises(QuantlabError, match="within the server's own noise") as err:
+        check_served_noise({"repeat_max_abs_dlogprob": torch.tensor([0.0, margin * 1.01])}, thresholds)
+    assert "gate.thresholds.ppl_ratio.max" in err.value.fix and "deterministic" in err.value.fix

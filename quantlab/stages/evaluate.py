@@ -454,6 +454,8 @@ def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tok
         t0, built = time.time(), blocks.built
         w, generated = blocks.windows(n)
         pace.looked(n, time.time() - t0, blocks.built > built)
+        if look == looks[0][0] and thresholds is not None:
+            check_served_noise(blocks.block(0), thresholds)
         gen = None
         if generated is not None:
             gen = _generation_record(gen_prompts, *generated, blocks.ref.cfg.gen_tokens, tokenizer)
@@ -468,6 +470,26 @@ def run_sequential(blocks: CandidateBlocks, thresholds, design, gen_prompts, tok
     result.forward_batches, result.computed_now = blocks.forward_batches, blocks.built > 0
     result.seconds = round(time.time() - start, 2)
     return result
+
+
+def check_served_noise(block: dict, thresholds) -> None:
+    """A served candidate's own noise against the gate: window 1 sent twice moved a target log-prob by up to d, so
+    the server's perplexity of one run is only known to a factor exp(d); a ppl_ratio bound nearer to 1 than that
+    decides on the server's noise, not on the checkpoint, and is refused (exit 2) with the bound it needs. Only
+    perplexity: the repeat returns the target's log-prob, not the distributions a KL or top-1 noise would need."""
+    if "repeat_max_abs_dlogprob" not in block:
+        return
+    d = float(block["repeat_max_abs_dlogprob"].max())
+    th = thresholds.get("ppl_ratio") if isinstance(thresholds, dict) else None
+    if d <= 0 or th is None or th.max is None:
+        return
+    noise = math.exp(d) - 1
+    if th.max - 1 <= noise:
+        raise QuantlabError(
+            f"gate.thresholds.ppl_ratio.max={th.max:g} is within the server's own noise: window 1 sent twice moved a "
+            f"log-prob by up to {d:.3g}, so one run's perplexity is known only to a factor {1 + noise:.4f}",
+            fix=f"make the server deterministic (one slot, no batching of requests, a fixed seed), or relax the "
+                f"bound above {1 + noise:.4f} (gate.thresholds.ppl_ratio.max=...)")
 
 
 # ------------------------------------------------------------------------------------------------ numerics
