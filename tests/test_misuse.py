@@ -68,6 +68,11 @@ def test_an_unknown_kernel_name_is_refused_before_compute(tmp_path, monkeypatch)
     res = run_cli(["+precision=fp8", "engine.kernels.disabled=[fp8_gmev]", *FAST], cwd=tmp_path, cache=tmp_path / "c")
     _exit2(res, "did you mean 'fp8_gemv'")
     assert not list((tmp_path / "c").glob("*/*/manifest.json")), "something was computed"
+    monkeypatch.delenv(ENV_DISABLED)
+    monkeypatch.setenv("QUANTLAB_PDL", "0")  # an earlier version's switch: refused, never silently ignored
+    with pytest.raises(QuantlabError, match="QUANTLAB_PDL is no longer read") as err:
+        KernelsConfig().resolved()
+    assert "engine.kernels.pdl=false" in err.value.fix
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -41,8 +41,14 @@ class KernelsConfig:
         """The switches in force: these, plus the names of $QUANTLAB_DISABLED_KERNELS (benches only; said once)."""
         import os
 
-        from quantlab.engines.kernels.names import ENV_DISABLED
+        from quantlab.engines.kernels.names import ENV_DISABLED, LEGACY_ENV
+        from quantlab.errors import QuantlabError
 
+        legacy = [n for n in LEGACY_ENV if n in os.environ]
+        if legacy:
+            raise QuantlabError(f"${legacy[0]} is no longer read: the decode path's switches are engine.kernels.*",
+                                fix=f"unset {' '.join(legacy)} and set {', '.join(LEGACY_ENV[n] for n in legacy)} "
+                                    "where you want the feature off (docs/engines.md)")
         disabled = list(self.disabled)
         extra = [n.strip() for n in os.environ.get(ENV_DISABLED, "").split(",") if n.strip()]
         if extra:

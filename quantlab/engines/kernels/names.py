@@ -20,3 +20,13 @@ KERNELS: dict[str, str] = {
 }
 ALL = "all"  # every kernel above: the torch reference numerics
 ENV_DISABLED = "QUANTLAB_DISABLED_KERNELS"  # benches only: a comma-separated list added to engine.kernels.disabled
+# the environment switches of earlier versions and the engine.kernels override each became: a run with one set is
+# refused (exit 2) rather than silently running with the feature on
+LEGACY_ENV: dict[str, str] = {
+    "QUANTLAB_PDL": "engine.kernels.pdl=false",
+    "QUANTLAB_COMPILE_EDGES": "engine.kernels.compile_edges=false",
+    "QUANTLAB_COMBO_KERNELS": "engine.kernels.combo_kernels=false",
+    "QUANTLAB_INT4_EPILOGUE": "engine.kernels.disabled=[int4_gated_epilogue]",
+    "QUANTLAB_INT4_RESIDUAL": "engine.kernels.disabled=[int4_residual_epilogue]",
+    "QUANTLAB_INT4_XORDER": "engine.kernels.disabled=[int4_xorder]",
+}
