@@ -161,6 +161,7 @@ class PairAnalysis:
         mapping = _head_map(self.a, p_deq.shape[0], c_deq.shape[1])
         if mapping is None:
             return
+        mapping = mapping.to(p_deq.device)  # the layers are on the audit's device (a GPU where there is one)
         p_fold, p_ref = _best_space(p_cands, p_deq, 1)
         c_ref = c_cands[0][1]  # the consumer's own space (plain, or after its pre_quant_scale): a norm does not feed it
         r, r_ok = _factors(p_ref, p_deq, 1)
@@ -202,6 +203,7 @@ class PairAnalysis:
         mapping = _head_map(self.a, deq.shape[0], lc.shape[0])
         if mapping is None:
             return None
+        mapping = mapping.to(deq.device)
         _, ref = _best_space(cands, deq, 1)
         r, r_ok = _factors(ref, deq, 1)
         ok = c_ok & r_ok[mapping]
