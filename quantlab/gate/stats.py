@@ -625,6 +625,8 @@ def tail_quantile_bound(latent, share: float, design: Design, look: int, cluster
     a value that is not finite: +inf."""
     v = np.asarray(latent, dtype=np.float64)
     shape, n = v.shape[:-1], v.shape[-1]
+    if n == 0:  # no windows: nothing bounds the quantile
+        return math.inf if not shape else np.full(shape, math.inf)
     cl = clusters if clusters is not None and clusters.n == n else Clusters(np.arange(n))
     z_k = design.z_boundary(look)
     flat = v.reshape(-1, n)
@@ -707,7 +709,7 @@ def decide_tail(beyond, share: float, design: Design, look: int, latent=None, bo
     s1 = 0.0 if c_cap < 0 else float(_solve_share(c_cap, design.cap, 1 - design.beta))
     if latent is not None and c_cap >= 0 and design.passable(look):
         sizes = clusters.sizes if clusters is not None and clusters.n == n else np.ones(n, dtype=np.int64)
-        s1 = _tail_mde_share(share, design, tuple(sorted(int(s) for s in sizes)))
+        s1 = _tail_mde_share(share, design, _sizes_at(sizes, design.cap))
     mean = k / n if n else float("nan")
     return Decision(mean, float(lo), float(hi), math.sqrt(max(mean * (1 - mean), 0.25 / max(n, 1)) / max(n, 1)), n,
                     z_k, {1: "pass", -1: "fail", 0: "undecided"}[int(verdict)],
@@ -715,11 +717,27 @@ def decide_tail(beyond, share: float, design: Design, look: int, latent=None, bo
                     quantile_hi=float(q_hi) if latent is not None else None)
 
 
+def _sizes_at(sizes, cap: int) -> tuple[int, ...]:
+    """The documents' sizes scaled to `cap` windows in all (largest remainders; every document keeps at least one):
+    the MDE is the power at the cap, whose count boundary is for exactly cap windows."""
+    sizes = np.asarray(sizes, dtype=np.float64)
+    want = sizes * cap / sizes.sum()
+    out = np.maximum(np.floor(want), 1).astype(np.int64)
+    for i in np.argsort(-(want - np.floor(want))):
+        if out.sum() >= cap:
+            break
+        out[i] += 1
+    while out.sum() > cap and (out > 1).any():  # more documents than the cap leaves room for at one each
+        out[np.argmax(out)] -= 1
+    return tuple(sorted(int(x) for x in out))
+
+
 @lru_cache(maxsize=256)
 def _tail_mde_share(share: float, design: Design, sizes: tuple[int, ...]) -> float:
     """The share beyond the bound at which both parts of the tail test pass at the cap with probability 1 - beta
     (count at most the cap's boundary, latent quantile bound at most the bound), over TAIL_MDE_SIMS seeded runs
-    whose windows' latent values are normal with these documents explaining WORKING_ICC of the variance, with the
+    whose windows' latent values are normal with these documents (their sizes scaled to the cap: `_sizes_at`)
+    explaining WORKING_ICC of the variance, with the
     gate's own TAIL_DRAWS (fewer change the share by a tenth). The test is location- and scale-free on the latent
     scale, so with latent values Z - z_{1-s} it passes when tail_quantile_bound(Z) <= z_{1-s} and at most the
     boundary's count of Z exceed z_{1-s}: the share is found by bisection on these runs. 0 when no share reaches
