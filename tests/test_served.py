@@ -2,7 +2,8 @@
 and the sparse KL bound against the exact full-vocabulary KL.
 
 CPU cost: the server tests evaluate 3 windows of 64 tokens of the embedded SmolLM2-135M (a Q8_0 GGUF written here
-from its published Q4_1 weights) and start one server (about 5 s); the bound tests are pure torch."""
+from its published Q4_1 weights) and start one server (about 5 s); the bound tests are pure torch; the started-server,
+key and malformed-answer tests start small http.server processes and threads (about 15 s, mostly waiting)."""
 from __future__ import annotations
 
 import importlib.util
@@ -432,3 +433,286 @@ def test_a_ppl_gate_inside_the_servers_own_noise_is_refused():
     with pytest.raises(QuantlabError, match="within the server's own noise") as err:
         check_served_noise({"repeat_max_abs_dlogprob": torch.tensor([0.0, margin * 1.01])}, thresholds)
     assert "gate.thresholds.ppl_ratio.max" in err.value.fix and "deterministic" in err.value.fix
+
+
+# --------------------------------------------------------------- started servers, keys, malformed answers
+# Real processes and real HTTP servers on localhost (a few lines of http.server), no llama_cpp: they stand for a
+# server that wants an API key, a launcher with workers, and a server answering in shapes no dialect documents.
+FAKE_SERVER = r'''
+import http.server, json, os, signal, subprocess, sys, time
+port, mode = int(sys.argv[1]), sys.argv[2]
+key = sys.argv[-1] if len(sys.argv) > 3 else ""
+key = key.split("=", 1)[1] if key.startswith("--api-key=") else key
+print(f"settings: api_key={key}", flush=True)
+if mode == "die":
+    sys.exit(3)
+if mode.startswith("launcher"):  # a launcher and one worker (the one that serves), in one process group
+    subprocess.Popen([sys.executable, __file__, str(port), "stubborn" if mode.endswith("stubborn") else "serve"])
+    time.sleep(600)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(f"pid {os.getpid()} {mode}", flush=True)
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        want = "Bearer " + key
+        code = 500 if mode == "err500" else 401 if key and self.headers.get("Authorization") != want else 200
+        body = json.dumps({"data": [{"id": "smol"}]}).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _fake(d: Path, mode: str, *args: str) -> str:
+    """engine.command starting FAKE_SERVER in `mode` (serve, err500, die, launcher, launcher-stubborn)."""
+    d.mkdir(parents=True, exist_ok=True)
+    script = d / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    return " ".join([sys.executable, str(script), "{port}", mode, *args])
+
+
+def _running(pid: int) -> bool:
+    """Whether pid runs (a zombie does not: orphans are not always reaped here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+
+
+def test_a_keyed_server_is_health_checked_with_the_key(tmp_path, monkeypatch, caplog):
+    """The started server's health check sends engine.api_key_env's key ({api_key} hands it to the server); a 401
+    is exit 2 at once naming the variable (not startup_timeout_s later); another status means up."""
+    import logging
+
+    from quantlab.engines.served import ServerProcess, check_config
+
+    monkeypatch.setenv("QL_SERVED_TEST_KEY", "s3cret-key-1")
+    cfg = _cfg(None, command=_fake(tmp_path / "a", "serve", "{api_key}"), api_key_env="QL_SERVED_TEST_KEY",
+               startup_timeout_s=20.0)
+    check_config(cfg)
+    with caplog.at_level(logging.INFO, logger="quantlab"):
+        ServerProcess(cfg, tmp_path / "a").stop()
+    assert "s3cret" not in caplog.text and "***" in caplog.text
+    t0 = time.monotonic()
+    with pytest.raises(QuantlabError, match=r"HTTP 401.*\$QL_SERVED_TEST_KEY"):
+        ServerProcess(_cfg(None, command=_fake(tmp_path / "b", "serve", "other-key"),
+                           api_key_env="QL_SERVED_TEST_KEY", startup_timeout_s=20.0), tmp_path / "b")
+    with pytest.raises(QuantlabError, match=r"HTTP 401.*engine.api_key_env is not set"):
+        ServerProcess(_cfg(None, command=_fake(tmp_path / "c", "serve", "other-key"), startup_timeout_s=20.0),
+                      tmp_path / "c")
+    assert time.monotonic() - t0 < 10
+    ServerProcess(_cfg(None, command=_fake(tmp_path / "d", "err500"), startup_timeout_s=20.0), tmp_path / "d").stop()
+    with pytest.raises(QuantlabError, match=r"names \{api_key\} but engine.api_key_env is not set"):
+        check_config(_cfg(None, command="serve {port} --api-key {api_key}"))
+
+
+def test_an_api_key_is_never_shown(tmp_path, monkeypatch, caplog):
+    """The key is in the started argv only: the logged command, the cache identity and a quoted server log show ***
+    (also for a literal --api-key VALUE); a base_url with credentials is exit 2 before anything."""
+    import json
+    import logging
+
+    from quantlab.engines.served import ServerProcess, check_config, identity
+
+    monkeypatch.setenv("QL_SERVED_TEST_KEY", "s3cret-key-2")
+    cfg = _cfg(None, command=_fake(tmp_path / "a", "die", "{api_key}"), api_key_env="QL_SERVED_TEST_KEY")
+    with pytest.raises(QuantlabError, match="exited with code 3") as err:
+        ServerProcess(cfg, tmp_path / "a")
+    assert "s3cret" not in str(err.value) and "api_key=***" in str(err.value)
+    assert "s3cret-key-2" in (tmp_path / "a" / "server.log").read_text()  # the server did get it
+    for literal in ("--api-key lit-key-3", "--api-key=lit-key-3"):
+        cfg = _cfg(None, command=_fake(tmp_path / "b", "die", literal))
+        with caplog.at_level(logging.INFO, logger="quantlab"), pytest.raises(QuantlabError) as err:
+            ServerProcess(cfg, tmp_path / "b")
+        assert "lit-key-3" not in str(err.value) + caplog.text + json.dumps(identity(cfg))
+        assert "api_key=***" in str(err.value)
+    with pytest.raises(QuantlabError, match="credentials") as err:
+        check_config(_cfg("https://user:pw-4@127.0.0.1:8000"))
+    assert "pw-4" not in str(err.value) and "api_key_env" in err.value.fix
+
+
+@needs_proc
+def test_stop_ends_the_whole_process_group(tmp_path):
+    """stop() signals the group also when its leader has already exited (a launcher gone, its worker serving), and
+    SIGKILLs a worker that ignores SIGTERM after grace_s."""
+    import re
+
+    from quantlab.engines.served import ServerProcess
+
+    for mode in ("launcher", "launcher-stubborn"):
+        d = tmp_path / mode
+        srv = ServerProcess(_cfg(None, command=_fake(d, mode), startup_timeout_s=20.0), d)
+        worker = int(re.search(r"pid (\d+) (serve|stubborn)", (d / "server.log").read_text()).group(1))
+        assert _running(worker)
+        if mode == "launcher":
+            os.kill(srv.proc.pid, signal.SIGKILL)
+            srv.proc.wait()
+        else:
+            srv.grace_s = 1.0
+        t0 = time.monotonic()
+        srv.stop()
+        assert not _running(worker), mode
+        assert time.monotonic() - t0 < 8
+
+
+@needs_proc
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_started_server_does_not_outlive_quantlab(tmp_path, sig):
+    """SIGTERM to quantlab (scancel, docker stop) stops its server through the normal paths (exit 143); SIGKILL,
+    where nothing of quantlab's runs, still ends it on Linux (the server's parent-death signal)."""
+    import subprocess
+
+    code = ("import sys, time\nfrom pathlib import Path\nfrom types import SimpleNamespace\n"
+            "from quantlab.engines.served import ServerProcess\n"
+            "cfg = SimpleNamespace(command=sys.argv[1], serve_checkpoint=None, api_key_env=None,\n"
+            "                      startup_timeout_s=30.0)\n"
+            "srv = ServerProcess(cfg, Path(sys.argv[2]))\nprint(srv.proc.pid, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, _fake(tmp_path, "serve"), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    server = None
+    try:
+        server = int(proc.stdout.readline())
+        assert _running(server)
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(30)
+        if sig == "SIGTERM":
+            assert proc.returncode == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(server)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if server is not None and _running(server):
+            os.killpg(server, signal.SIGKILL)
+
+
+class _Answers:
+    """A real HTTP server on localhost (a thread) answering each path as told: a JSON value, or 'hang' (no answer
+    until released), 'bad status' (not HTTP), 'short' (a body shorter than its Content-Length), 'HTTP 400', or a
+    function of the request's JSON giving one of these."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.answers, self.hits, self.release = {}, {}, threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                import json
+
+                sent = json.loads(self.rfile.read(int(self.headers["Content-Length"]))) \
+                    if self.headers.get("Content-Length") else None
+                outer.hits[self.path] = outer.hits.get(self.path, 0) + 1
+                answer = outer.answers.get(self.path, {"data": [{"id": "smol"}]} if self.path == "/v1/models" else None)
+                answer = answer(sent) if callable(answer) else answer
+                if answer == "HTTP 400":
+                    self.send_error(400, "bad prompt")
+                    return
+                if answer == "hang":
+                    outer.release.wait(10)
+                    return
+                if answer == "bad status":
+                    self.wfile.write(b"NONSENSE\r\n\r\n")
+                    return
+                body = b'{"data": [' if answer == "short" else json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body) + (100 if answer == "short" else 0)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def answers():
+    srv = _Answers()
+    yield srv
+    srv.close()
+
+
+IDS = [1, 2, 3, 4]
+MALFORMED = {  # dialect, what (forward or greedy), path, answer: each a shape its parser does not expect
+    "vllm id not a number": ("vllm", "forward", "/v1/completions", {"choices": [{"prompt_logprobs": [None] + [
+        {str(i): {"logprob": -1.0, "rank": 1}, "abc": {"logprob": -2.0, "rank": 2}} for i in IDS[1:]]}]}),
+    "sglang top entry not a list": ("sglang", "forward", "/generate", {"meta_info": {
+        "input_token_logprobs": [[None, IDS[0], None]] + [[-1.0, i, None] for i in IDS[1:]],
+        "input_top_logprobs": [None, [5], [5], [5]]}}),
+    "trtllm ragged logits": ("trtllm", "forward", "/v1/completions", {"choices": [{"context_logits": [
+        [0.0, 1.0], [0.0], [0.0, 1.0, 2.0], [0.0]]}]}),
+    "vllm generated id not a number": ("vllm", "greedy", "/v1/completions", {"choices": [{"logprobs": {
+        "tokens": ["token_id:abc"]}}]}),
+    "sglang generated entry not a list": ("sglang", "greedy", "/generate", {"meta_info": {
+        "output_token_logprobs": [5]}}),
+    "llama_cpp generated text not a string": ("llama_cpp", "greedy", "/v1/completions", {"choices": [{"logprobs": {
+        "tokens": [["a"]], "token_logprobs": [-1.0], "top_logprobs": [{"a": -1.0}]}}]}),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_answer_is_exit_2_naming_the_endpoint(answers, tokenizer, case):
+    from quantlab.engines.served import ServedEngine
+
+    dialect, what, path, body = MALFORMED[case]
+    answers.answers[path] = body
+    answers.answers["/extras/tokenize"] = {"tokens": IDS}  # llama_cpp: the server tokenizes the prompt as sent
+    engine = ServedEngine(_cfg(answers.url, dialect=dialect, retries=0), tokenizer, Limits(512, 512, 8))
+    with pytest.raises(QuantlabError, match=f"malformed response from {answers.url}{path}"):
+        if what == "forward":
+            engine.forward(torch.tensor([IDS]))
+        else:
+            engine.greedy(torch.tensor([IDS]), 1)
+
+
+@pytest.mark.parametrize("answer", ["bad status", "short"])
+def test_a_broken_http_answer_is_retried_then_exit_2(answers, tokenizer, answer):
+    """An answer that is not HTTP (BadStatusLine) or cut short (IncompleteRead) is retried like a dropped
+    connection and ends in exit 2, not a traceback."""
+    from quantlab.engines.served import ServedEngine
+
+    answers.answers["/v1/models"] = answer
+    with pytest.raises(QuantlabError, match="did not answer /v1/models after 2 tries"):
+        ServedEngine(_cfg(answers.url, retries=1), tokenizer, Limits(512, 512, 8))
+    assert answers.hits["/v1/models"] == 2
+
+
+def test_the_first_failed_window_ends_the_batch(answers, tokenizer):
+    """The second window is refused at once while the first hangs: the batch ends with that refusal (the windows not
+    started are not sent), not after the first window's timeout nor after the whole batch."""
+    from quantlab.engines.served import ServedEngine
+
+    answers.answers["/v1/completions"] = lambda sent: "HTTP 400" if sent["prompt"][0] == 99 else "hang"
+    engine = ServedEngine(_cfg(answers.url, dialect="vllm", retries=0, timeout_s=4.0, concurrency=2), tokenizer,
+                          Limits(512, 512, 8))
+    t0 = time.monotonic()
+    with pytest.raises(QuantlabError, match="HTTP 400"):
+        engine.forward(torch.tensor([IDS, [99, *IDS[1:]], *[IDS] * 6]))
+    assert time.monotonic() - t0 < 2.5  # before: the first window's 4 s timeout, in order
+    assert answers.hits["/v1/completions"] <= 4  # the first two, and at most two more started before the cancel

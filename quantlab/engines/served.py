@@ -18,20 +18,24 @@ text several ids share is ambiguous and counted).
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import socket
 import string
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -69,6 +73,12 @@ def check_config(cfg, eval_cfg=None) -> None:
         raise QuantlabError("engine=served needs the server's address, or the command that starts one",
                             fix="set engine.base_url=http://HOST:PORT, or engine.command='... --port {port}'")
     parsed = urlparse(url)
+    if "@" in parsed.netloc:
+        host = parsed.netloc.rsplit("@", 1)[1]
+        raise QuantlabError(f"engine.base_url holds credentials ({parsed.scheme}://***@{host}): they would be logged "
+                            "and written with the config",
+                            fix="drop them from the URL; put the key in an environment variable and set "
+                                "engine.api_key_env=ITS_NAME (sent as a bearer token, never written)")
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise QuantlabError(f"engine.base_url={url!r} is not an http(s) URL",
                             fix="set engine.base_url=http://HOST:PORT (or https://...)")
@@ -103,12 +113,10 @@ class Client:
         self.timeout, self.retries = float(cfg.timeout_s), int(cfg.retries)
         self.down = None  # for a started server: what to say when it has exited (ServerProcess.down)
         self._key_env = cfg.api_key_env
+        self.batch = threading.local()  # .abort: the Event of the batch (map_batch) this thread's request is in
 
     def _headers(self) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self._key_env:
-            headers["Authorization"] = "Bearer " + os.environ.get(self._key_env, "")
-        return headers
+        return auth_headers(self._key_env)
 
     def call(self, path: str, body: dict | None = None) -> dict:
         """GET (body None) or POST path; the parsed JSON object."""
@@ -118,6 +126,9 @@ class Client:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+            abort = getattr(self.batch, "abort", None)
+            if abort is not None and abort.is_set():
+                raise QuantlabError(f"{path}: not sent, another request of the batch failed", fix=RESUME)
             try:
                 req = urllib.request.Request(url, data=data, headers=self._headers(),
                                              method="GET" if body is None else "POST")
@@ -130,8 +141,8 @@ class Client:
                     last = f"HTTP {exc.code}"
                     continue
                 raise http_error(url, exc.code, detail) from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                last = str(getattr(exc, "reason", exc))
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as exc:
+                last = str(getattr(exc, "reason", exc)) or type(exc).__name__  # IncompleteRead, BadStatusLine, ...
         else:
             down = self.down() if self.down else None
             if down:
@@ -146,6 +157,14 @@ class Client:
         if not isinstance(out, dict):
             raise malformed(url, "not a JSON object")
         return out
+
+
+def auth_headers(key_env: str | None) -> dict:
+    """The request headers: JSON, and the API key from the environment variable key_env as a bearer token."""
+    headers = {"Content-Type": "application/json"}
+    if key_env:
+        headers["Authorization"] = "Bearer " + os.environ.get(key_env, "")
+    return headers
 
 
 def http_error(url: str, code: int, detail: str) -> QuantlabError:
@@ -167,6 +186,42 @@ def malformed(url: str, what: str) -> QuantlabError:
     """A response that does not have the expected shape."""
     return QuantlabError(f"malformed response from {url}: {what}",
                          fix="check that engine.dialect matches the server (docs/served.md)")
+
+
+@contextmanager
+def parsing(where: str):
+    """Any ValueError, TypeError, IndexError, KeyError, AttributeError or OverflowError while reading a response
+    (a field of another type or shape than the dialect documents) is the malformed-response error naming where."""
+    try:
+        yield
+    except QuantlabError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as exc:
+        raise malformed(where, f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def map_batch(fn, items: list, workers: int, client: Client | None = None) -> list:
+    """[fn(x) for x in items] on `workers` threads; the first failure cancels what has not started, tells the
+    requests in flight to stop retrying (the batch's abort event) and is raised at once (not after the batch)."""
+    abort = threading.Event()
+
+    def one(x):
+        if client is not None:
+            client.batch.abort = abort  # this pool's threads serve this batch only
+        return fn(x)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(one, x) for x in items]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+        if failed is not None:
+            abort.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise failed.exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------------------------- token texts
@@ -332,7 +387,7 @@ class ServedEngine(Engine):
             raise malformed(self.client.base + "/v1/completions", "a top_logprobs entry is not {text: number}")
         items = list(entry.items())[:k]
         ids, lps, amb = [], [], 0
-        for n, (text, value) in enumerate(items):
+        for n, (text, value) in enumerate(items):  # JSON object keys: always strings
             i = self.index.get(text)
             if text in self.shared:
                 amb += 1
@@ -360,12 +415,12 @@ class ServedEngine(Engine):
 
     def window(self, ids: list[int]) -> tuple[list, list, list, int]:
         """One window -> per position (target log-prob, top ids, top log-probs) and the ambiguous count."""
-        import math as _m
-
         k, url = int(self.cfg.top_logprobs), self.client.base + "/v1/completions"
         if self.cfg.dialect in ID_DIALECTS:
             path, body = REQUESTS[self.cfg.dialect](self.cfg.model, ids, k)
-            return (*PARSERS[self.cfg.dialect](self.client.call(path, body), ids, k, self.client.base + path), 0)
+            out = self.client.call(path, body)
+            with parsing(self.client.base + path):
+                return (*PARSERS[self.cfg.dialect](out, ids, k, self.client.base + path), 0)
         if ids[0] != self.bos:
             raise QuantlabError("a window does not start with BOS, which llama-cpp-python's server needs",
                                 fix="add eval.prefix_token=bos")
@@ -374,6 +429,13 @@ class ServedEngine(Engine):
         if len(lp["tokens"]) < n + 1:
             raise malformed(url, f"{len(lp['tokens'])} echoed tokens for a prompt of {len(ids)} (BOS dropped) plus one "
                                  "generated")
+        with parsing(url):
+            return self._window_logprobs(ids, lp, k, url)
+
+    def _window_logprobs(self, ids: list[int], lp: dict, k: int, url: str) -> tuple[list, list, list, int]:
+        import math as _m
+
+        n = len(ids) - 1
         for p in range(1, n):  # the echoed texts are the texts of the ids sent
             if lp["tokens"][p] != self.texts[ids[p + 1]]:
                 raise QuantlabError(f"the server echoed {lp['tokens'][p]!r} at position {p + 1} where "
@@ -398,8 +460,7 @@ class ServedEngine(Engine):
         import torch
 
         rows = [row.tolist() for row in tokens.cpu()]
-        with ThreadPoolExecutor(max_workers=int(self.cfg.concurrency)) as pool:
-            results = list(pool.map(self.window, rows))
+        results = map_batch(self.window, rows, int(self.cfg.concurrency), self.client)
         k = int(self.cfg.top_logprobs)
         b, n = len(rows), len(rows[0]) - 1
         ids = torch.full((b, n, k), -1, dtype=torch.int64)
@@ -434,11 +495,12 @@ class ServedEngine(Engine):
                 return generated_ids(self, row, new_tokens)
             choice = self.completion(self.prompt_text(row), max_tokens=new_tokens, echo=False, logprobs=1)
             texts = self._logprobs(choice, url)["tokens"]
+            if not all(isinstance(t, str) for t in texts):
+                raise malformed(url, "a generated token's text is not a string")
             got = [self.index.get(t) for t in texts][:new_tokens]
             return [-1 if g is None else g for g in got] + [-1] * (new_tokens - len(got))
 
-        with ThreadPoolExecutor(max_workers=int(self.cfg.concurrency)) as pool:
-            out = list(pool.map(one, [row.tolist() for row in prompts.cpu()]))
+        out = map_batch(one, [row.tolist() for row in prompts.cpu()], int(self.cfg.concurrency), self.client)
         self.forward_batches += 1
         return torch.tensor(out, dtype=torch.int64)
 
@@ -574,6 +636,12 @@ PARSERS = {"vllm": parse_vllm, "sglang": parse_sglang, "trtllm": parse_trtllm}
 def generated_ids(engine: ServedEngine, row: list[int], n: int) -> list[int]:
     """Greedy continuation ids from an id dialect (vLLM: return_tokens_as_token_ids; SGLang: the output tokens'
     ids; trtllm-serve: the choice's token_ids); -1 past an early stop."""
+    path = "/generate" if engine.cfg.dialect == "sglang" else "/v1/completions"
+    with parsing(engine.client.base + path):
+        return _generated_ids(engine, row, n)
+
+
+def _generated_ids(engine: ServedEngine, row: list[int], n: int) -> list[int]:
     client, model = engine.client, engine.cfg.model
     if engine.cfg.dialect == "sglang":
         out = client.call("/generate", {"input_ids": row, "return_logprob": True, "logprob_start_len": len(row),
@@ -619,7 +687,7 @@ def identity(cfg) -> dict:
     serves, by size and mtime), the model name, k, the dialect and engine.revision."""
     out = {"model": cfg.model, "k": cfg.top_logprobs, "dialect": cfg.dialect, "revision": cfg.revision}
     if getattr(cfg, "command", None):
-        out["command"] = cfg.command
+        out["command"] = redact_command(cfg.command)
         if cfg.serve_checkpoint:
             path = Path(cfg.serve_checkpoint)
             stat = path.stat() if path.exists() else None
@@ -631,16 +699,25 @@ def identity(cfg) -> dict:
 
 # ------------------------------------------------------------------------------------- a started server
 def check_command(cfg) -> None:
-    """engine.command before anything starts: a template whose only fields are {port} (required) and {checkpoint}
-    (which needs engine.serve_checkpoint, an existing path), and no engine.base_url beside it."""
+    """engine.command before anything starts: a template whose only fields are {port} (required), {checkpoint}
+    (which needs engine.serve_checkpoint, an existing path) and {api_key} (which needs engine.api_key_env), and no
+    engine.base_url beside it."""
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(cfg.command) if f is not None}
     except ValueError as exc:
         raise QuantlabError(f"engine.command is not a template: {exc}",
-                            fix="write literal braces as {{ }}; name only {port} and {checkpoint}") from None
-    if fields - {"port", "checkpoint"}:
-        raise QuantlabError(f"engine.command names {', '.join(sorted(fields - {'port', 'checkpoint'}))}: only {{port}} "
-                            "and {checkpoint} are filled in", fix="name only {port} and {checkpoint}")
+                            fix="write literal braces as {{ }}; name only {port}, {checkpoint} and {api_key}") from None
+    if fields - set(FIELDS):
+        raise QuantlabError(f"engine.command names {', '.join(sorted(fields - set(FIELDS)))}: only {{port}}, "
+                            "{checkpoint} and {api_key} are filled in",
+                            fix="name only {port}, {checkpoint} and {api_key}")
+    if "api_key" in fields and not cfg.api_key_env:
+        raise QuantlabError("engine.command names {api_key} but engine.api_key_env is not set",
+                            fix="export KEY_VAR=... and set engine.api_key_env=KEY_VAR (the key is filled in only "
+                                "where the server is started, never logged or written)")
+    if LITERAL_KEY.search(cfg.command) and "{api_key}" not in LITERAL_KEY.search(cfg.command).group(0):
+        log.warning("served: engine.command holds a literal API key: it is redacted where quantlab logs the command, "
+                    "but the config (run.json) keeps it; use --api-key {api_key} with engine.api_key_env instead")
     if "port" not in fields:
         raise QuantlabError("engine.command has no {port}: quantlab picks a free port and must tell the server",
                             fix="add --port {port} (or the server's own flag) to engine.command")
@@ -656,6 +733,16 @@ def check_command(cfg) -> None:
                                 fix="point engine.serve_checkpoint at the checkpoint the server loads")
     if not shlex.split(cfg.command):
         raise QuantlabError("engine.command is empty", fix="give the server's command line")
+
+
+FIELDS = ("port", "checkpoint", "api_key")
+LITERAL_KEY = re.compile(r"(--api[-_]key)(=|\s+)('[^']*'|\"[^\"]*\"|\S+)")
+REDACTED = "***"
+
+
+def redact_command(command: str) -> str:
+    """A command line with the value after --api-key (or --api-key=) replaced by ***."""
+    return LITERAL_KEY.sub(lambda m: m.group(1) + m.group(2) + REDACTED, command)
 
 
 def run_dir() -> Path:
@@ -677,43 +764,150 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_LIVE: list = []  # started servers not yet stopped
+_SIGTERM = {"installed": False, "previous": None}
+_LIVE_LOCK = threading.Lock()
+
+
+def _sigterm(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def _track(server, alive: bool) -> None:
+    """While a started server lives, SIGTERM (scancel, docker stop, timeout) raises SystemExit in quantlab, so that
+    the handlers that stop it run (close, the error paths, atexit); the previous handler is put back when the last
+    one stops. Only the main thread can set a handler: elsewhere nothing changes."""
+    with _LIVE_LOCK:
+        if alive:
+            _LIVE.append(server)
+        elif server in _LIVE:
+            _LIVE.remove(server)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if _LIVE and not _SIGTERM["installed"]:
+                _SIGTERM["previous"] = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, _sigterm)
+                _SIGTERM["installed"] = True
+            elif not _LIVE and _SIGTERM["installed"]:
+                if signal.getsignal(signal.SIGTERM) is _sigterm:
+                    previous = _SIGTERM["previous"]
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+                _SIGTERM["installed"] = False
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            pass
+
+
+def _death_signal():
+    """On Linux, a preexec_fn that has the started server get SIGTERM when quantlab dies (PR_SET_PDEATHSIG: also on
+    SIGKILL, where no handler of quantlab's runs); None where prctl is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, term = os.getpid(), int(signal.SIGTERM)
+
+    def set_death_signal() -> None:
+        prctl(1, term)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # quantlab died before the call
+            os.kill(os.getpid(), term)
+
+    return set_death_signal
+
+
+def _group_alive(pgid: int, proc=None) -> bool:
+    """Whether a process of group pgid still runs (zombies do not count: an orphaned worker is not always reaped)."""
+    if proc is not None:
+        proc.poll()  # reap the leader
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc/self"):
+        return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 class ServerProcess:
     """engine.command started on localhost in its own process group (the whole group is stopped: a launcher and
-    its workers), health-checked on /v1/models within engine.startup_timeout_s, its output in RUN_DIR/server.log,
-    stopped on close, on error and at exit."""
+    its workers), health-checked on /v1/models within engine.startup_timeout_s (with the API key), its output in
+    RUN_DIR/server.log, stopped on close, on error, at exit and on SIGTERM; on Linux it gets SIGTERM when quantlab
+    dies. {api_key} is filled in only in what is started: what is logged or raised shows *** for the key."""
+
+    grace_s = 10.0  # SIGTERM to the group, then SIGKILL to what remains after this
 
     def __init__(self, cfg, log_dir: Path):
         import atexit
 
+        self._stopped = False
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._key_env = getattr(cfg, "api_key_env", None)
+        key = os.environ.get(self._key_env, "") if self._key_env else ""
+        self._secrets = {v for v in [key, *(m.group(3).strip("'\"") for m in LITERAL_KEY.finditer(cfg.command))]
+                         if v and v != "{api_key}"}
         ckpt = shlex.quote(str(cfg.serve_checkpoint)) if cfg.serve_checkpoint else ""
-        argv = shlex.split(cfg.command.format(port=self.port, checkpoint=ckpt))
+        argv = shlex.split(cfg.command.format(port=self.port, checkpoint=ckpt, api_key=shlex.quote(key)))
+        shown = shlex.join(shlex.split(cfg.command.format(port=self.port, checkpoint=ckpt, api_key=REDACTED)))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / "server.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        log.info("served: starting %s (log %s)", shlex.join(argv), self.log_path)
+        log.info("served: starting %s (log %s)", self._redact(redact_command(shown)), self.log_path)
         try:
             self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_death_signal())  # noqa: PLW1509
         except OSError as exc:
             self._log.close()
-            raise QuantlabError(f"engine.command could not start: {exc}",
+            raise QuantlabError(f"engine.command could not start: {self._redact(str(exc))}",
                                 fix="check the command's first word (on PATH?) and its arguments") from None
         atexit.register(self.stop)
+        _track(self, True)
         try:
             self._wait(float(cfg.startup_timeout_s))
         except BaseException:
             self.stop()
             raise
 
+    def _redact(self, text: str) -> str:
+        for secret in sorted(self._secrets, key=len, reverse=True):
+            text = text.replace(secret, REDACTED)
+        return text
+
     def _tail(self) -> str:
         if not self._log.closed:
             self._log.flush()
-        return self.log_path.read_bytes()[-1500:].decode("utf-8", "replace").strip()
+        return self._redact(self.log_path.read_bytes()[-1500:].decode("utf-8", "replace").strip())
+
+    def _refused(self, code: int) -> QuantlabError:
+        var = self._key_env
+        if var:
+            return QuantlabError(f"the server engine.command started refused {self.url}/v1/models (HTTP {code}): "
+                                 f"it does not accept the key in ${var} (engine.api_key_env)",
+                                 fix=f"start the server with the key in ${var}: --api-key {{api_key}} in "
+                                     "engine.command (filled in from it, never logged)")
+        return QuantlabError(f"the server engine.command started refused {self.url}/v1/models (HTTP {code}): it "
+                             "wants an API key and engine.api_key_env is not set",
+                             fix="export KEY_VAR=..., set engine.api_key_env=KEY_VAR and start the server with "
+                                 "--api-key {api_key} in engine.command")
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        req = urllib.request.Request(self.url + "/v1/models", headers=auth_headers(self._key_env))
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
@@ -721,9 +915,14 @@ class ServerProcess:
                                     f"the end of {self.log_path}:\n{self._tail()}",
                                     fix="fix the server's command line (its log says why it stopped)")
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2):  # noqa: S310 - localhost http
+                with urllib.request.urlopen(req, timeout=2):  # noqa: S310 - localhost http
                     return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            except urllib.error.HTTPError as exc:
+                exc.close()
+                if exc.code in (401, 403):
+                    raise self._refused(exc.code) from None
+                return  # it answers: up (the client's retries handle a 503 while it loads)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException):
                 time.sleep(0.3)
         raise QuantlabError(f"the server engine.command started did not answer {self.url}/v1/models within "
                             f"{timeout:g} s (log: {self.log_path})",
@@ -737,16 +936,31 @@ class ServerProcess:
         return f"the server quantlab started exited mid-run (code {code}); the end of {self.log_path}:\n{self._tail()}"
 
     def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL after 10 s; idempotent."""
+        """SIGTERM to the process group (also when its leader has exited: its workers), SIGKILL to what is left of
+        the group after grace_s; idempotent."""
+        import atexit
+
         proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
+        if proc is not None and not self._stopped:
+            self._stopped = True
+            pgid = proc.pid
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
+                os.killpg(pgid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
                 pass
+            deadline = time.monotonic() + self.grace_s
+            while _group_alive(pgid, proc) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _group_alive(pgid, proc):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            atexit.unregister(self.stop)
+        _track(self, False)
         if not self._log.closed:
             self._log.close()
