@@ -2,7 +2,8 @@
 api.execute.
 
 Exit codes: 0 every run may ship, 1 a gate failed, 2 bad config or input, 3 internal error (a bug: the
-traceback is written to the run directory), 130 interrupted. A sweep exits with the largest code of its runs,
+traceback is written to the run directory), 130 interrupted, 143 terminated (SIGTERM while a started server
+lived: engine=served). A sweep exits with the largest code of its runs,
 read from each job's status.json after Hydra returns (jobs may run in other processes).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from quantlab.artifacts import write_json_atomic
 from quantlab.compose import group_options, normalize, register_configs
 from quantlab.config import Config, conf_dir
 from quantlab.engines.registry import ENGINE_SCHEMAS
-from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, QuantlabError
+from quantlab.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, QuantlabError
 from quantlab.gate.metrics import GATEABLE
 from quantlab.precisions import PRECISION_SCHEMAS
 from quantlab.registry import did_you_mean
@@ -268,6 +269,12 @@ def _task(dict_cfg) -> None:
     except KeyboardInterrupt:
         print("\nquantlab: interrupted; finished artifacts are kept, rerun the same command to resume", file=sys.stderr)
         code, error = EXIT_INTERRUPTED, "interrupted"
+    except SystemExit as exc:
+        if exc.code != EXIT_TERMINATED:
+            raise
+        print("\nquantlab: terminated (SIGTERM); the server it started is stopped, finished artifacts are kept, rerun "
+              "the same command to resume", file=sys.stderr)
+        code, error = EXIT_TERMINATED, "terminated"
     except Exception as exc:  # noqa: BLE001 - a bug: keep the traceback, show one paragraph
         trace = run_dir / "traceback.txt"
         trace.write_text(traceback.format_exc())
@@ -276,12 +283,12 @@ def _task(dict_cfg) -> None:
     # Launchers may run this in another process: the exit code also travels through the run directory.
     write_json_atomic(run_dir / STATUS, {"exit_code": code, "error": error})
     _outcomes.append(code)
-    if code == EXIT_INTERRUPTED:
-        raise SystemExit(EXIT_INTERRUPTED)
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: exit 0 may ship, 1 a gate failed, 2 bad input, 3 a bug, 130 interrupted (module docstring)."""
+    """The command line: exit 0 may ship, 1 a gate failed, 2 bad input, 3 a bug, 130 interrupted, 143 terminated."""
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
@@ -343,8 +350,8 @@ def _main(args: list[str]) -> int:
     try:
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
     except SystemExit as exc:
-        if exc.code == EXIT_INTERRUPTED:
-            return EXIT_INTERRUPTED
+        if exc.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            return exc.code
         if exc.code not in (0, None):
             if not _outcomes and not (sweep_dir and sweep_dir.is_dir() and exit_codes(sweep_dir)):
                 return EXIT_BAD_INPUT  # Hydra rejected the config before any run started (message already printed)

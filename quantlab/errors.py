@@ -6,6 +6,7 @@ EXIT_GATE_FAILED = 1  # a gate (or the checkpoint audit) failed
 EXIT_BAD_INPUT = 2  # bad config or input: the message names the fix
 EXIT_INTERNAL = 3  # a bug of ours: the traceback is kept in the run directory
 EXIT_INTERRUPTED = 130  # Ctrl-C: finished artifacts are kept, a rerun resumes
+EXIT_TERMINATED = 143  # SIGTERM while a started server lived (engine=served): stopped like Ctrl-C
 
 
 class QuantlabError(Exception):

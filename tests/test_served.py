@@ -7,6 +7,7 @@ key and malformed-answer tests start small http.server processes and threads (ab
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import signal
@@ -463,15 +464,21 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self):  # "hang": a server that accepts every request and never answers
+        if mode == "hang":
+            time.sleep(600)
+        self.send_response(501)
+        self.end_headers()
+
     def log_message(self, *args):
         pass
 
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
 def _fake(d: Path, mode: str, *args: str) -> str:
-    """engine.command starting FAKE_SERVER in `mode` (serve, err500, die, launcher, launcher-stubborn)."""
+    """engine.command starting FAKE_SERVER in `mode` (serve, hang, err500, die, launcher, launcher-stubborn)."""
     d.mkdir(parents=True, exist_ok=True)
     script = d / "fake_server.py"
     script.write_text(FAKE_SERVER)
@@ -716,3 +723,39 @@ def test_the_first_failed_window_ends_the_batch(answers, tokenizer):
         engine.forward(torch.tensor([IDS, [99, *IDS[1:]], *[IDS] * 6]))
     assert time.monotonic() - t0 < 2.5  # before: the first window's 4 s timeout, in order
     assert answers.hits["/v1/completions"] <= 4  # the first two, and at most two more started before the cancel
+
+
+@needs_proc
+def test_sigterm_to_a_served_run_is_exit_143_and_stops_its_server(tiny_llama, tmp_path):
+    """`python -m quantlab engine=served` with a started server that never answers, sent SIGTERM (scancel, docker
+    stop): exit 143 with one line, status.json says so, and the server is gone."""
+    import subprocess
+
+    from conftest import FAST, cli_env
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "quantlab", "+precision=int8_sq", "engine=served", "engine.model=smol",
+           f"engine.command='{_fake(tmp_path / 'srv', 'hang')}'", "engine.timeout_s=300", f"model.path={tiny_llama}",
+           "eval.prefix_token=bos", f"hydra.run.dir={run_dir}", *FAST]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(tmp_path / "c"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        log = run_dir / "server.log"
+        while not (log.is_file() and "pid " in log.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        server = int(log.read_text().split("pid ", 1)[1].split()[0])
+        time.sleep(2)  # the windows are on their way to a server that does not answer
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    assert json.loads((run_dir / "status.json").read_text())["exit_code"] == 143
+    deadline = time.monotonic() + 15
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(server)
