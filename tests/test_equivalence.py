@@ -260,3 +260,18 @@ def test_an_offline_rotation_is_refused_naming_it_not_audited_as_faults(smoothed
     text = str(exc.value)
     assert exc.value.exit_code == 2 and "config_groups.R1" in text and "weight_output" in text, text
     assert "rotat" in text and "SpinQuantModifier" in exc.value.fix
+
+
+def test_one_side_within_what_healthy_exports_show_is_no_fault():
+    """The spreads measured on real checkpoints (2026-12-07): ModelOpt's healthy int8_sq export of the default model,
+    layer 11 up_proj -> down_proj (producer rows 0.0004, consumer columns 0.0459, product 0.0813: nothing moved,
+    within SmoothQuant's healthy column spread) is no fault; llm-compressor's AWQ with block 12's down_proj
+    unsmoothed (producer rows 0.0858, consumer columns 0.0041) is "producer only"; reciprocal sides are accepted."""
+    from quantlab.audit.bounds import weight_bounds
+    from quantlab.audit.equivalence import _classify
+
+    sq, w4 = weight_bounds("W8A8_SQ_PER_CHANNEL"), weight_bounds("W4A16_AWQ")
+    assert _classify(0.0004, 0.0459, 0.0813, 0.0, sq) is None
+    assert _classify(0.0858, 0.0041, 0.204, 0.0, w4) == "producer only"
+    assert _classify(0.0041, 0.0858, 0.204, 0.0, w4) == "consumer only"
+    assert _classify(0.2, 0.2, 0.0085, 0.0, w4) == "accepted"

@@ -37,6 +37,7 @@ NONLINEAR = {"mlp.down_proj": ("mlp.gate_proj", "SiLU / GELU of gate_proj's outp
 MISMATCH_MEDIAN = math.log(1.05)  # the two sides' factors may disagree by at most this in the median (a gain)
 SIDE_SIGNAL = 3.0  # a side carries factors when their log spread is 3x what the quantizer leaves ...
 SIDE_FLOOR = 0.02  # ... and above 0.02 (2%): unsmoothed int4 pairs of the default model show 0.003-0.006
+HEALTHY_MARGIN = 1.5  # the formats' column-spread warnings sit at 1.5x the worst healthy spread (precisions.py)
 ACCEPTED = "equivalence transforms accepted"  # how the info finding naming them starts (kept in run.json)
 
 
@@ -123,6 +124,10 @@ def _classify(sp_r: float, sp_c: float, mismatch: float, median: float, b) -> st
     if rows_scaled and cols_scaled:
         return "accepted" if reciprocal else "not reciprocal"
     if rows_scaled != cols_scaled:
+        # one side alone is a fault only beyond what the format's healthy exports show per channel (its column-spread
+        # warning is 1.5x the worst healthy spread): a healthy SmoothQuant down_proj shows 0.046 with nothing moved
+        if (sp_r if rows_scaled else sp_c) <= b.column_spread_warn / HEALTHY_MARGIN:
+            return None
         return "producer only" if rows_scaled else "consumer only"
     if not reciprocal and min(sp_r, sp_c) > b.column_spread_warn:
         return "not reciprocal"
@@ -207,8 +212,15 @@ class PairAnalysis:
         _, ref = _best_space(cands, deq, 1)
         r, r_ok = _factors(ref, deq, 1)
         ok = c_ok & r_ok[mapping]
-        m = torch.log(r)[mapping] + lc
-        return (other, why) if int(ok.sum()) and float(1.4826 * m[ok].abs().median()) <= b.column_spread_error \
+        lr = torch.log(r)
+        m = lr[mapping] + lc
+        if not int(ok.sum()):
+            return None
+        # the other layer's rows must carry factors of their own, and the inverse of the consumer's far more closely
+        # than the consumer's factors spread (unscaled rows "match" any small column spread)
+        mismatch, sp_o, sp_c = float(1.4826 * m[ok].abs().median()), _spread(lr, r_ok), _spread(lc, c_ok)
+        scaled = sp_o > max(SIDE_FLOOR, b.column_spread_warn / HEALTHY_MARGIN)
+        return (other, why) if scaled and mismatch <= b.column_spread_error and SIDE_SIGNAL * mismatch <= sp_c \
             else None
 
     def _accept(self, pair: dict, p, c, mapping, rows: dict) -> None:
