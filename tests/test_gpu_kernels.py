@@ -242,16 +242,22 @@ def _int4_model(dtype: torch.dtype, seed: int = 0):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=256)).to(dtype).eval()
+    shared: dict[str, torch.Tensor] = {}  # one pre_quant_scale per input, as AWQ exports have: q/k/v read one
+    # normed input, gate/up another (so q/k/v fuse into one GEMM and gate|up into the gated MLP)
     for name, m in list(model.named_modules()):
         if isinstance(m, torch.nn.Linear) and ".layers." in name:
             codes = torch.randint(0, 256, (m.out_features // 2, m.in_features), generator=g, dtype=torch.uint8)
             scales = (torch.rand(m.out_features, m.in_features // GROUP, generator=g) * 0.004 + 2e-3)
-            smooth = torch.rand(m.in_features, generator=g) + 0.5
             parent, _, child = name.rpartition(".")
+            group = parent + {"q_proj": ":qkv", "k_proj": ":qkv", "v_proj": ":qkv", "gate_proj": ":gu",
+                              "up_proj": ":gu"}.get(child, ":" + child)
+            if group not in shared:
+                shared[group] = torch.rand(m.in_features, generator=g) + 0.5
+            smooth = shared[group]
             setattr(model.get_submodule(parent), child,
                     Int4AwqLinear(codes, scales, GROUP, smooth, None, dtype, packed_kernel=True))
     model = model.cuda()
-    fuse_int4_siblings(model)
+    assert fuse_int4_siblings(model) == 2 * model.config.num_hidden_layers  # q|k|v and gate|up of every layer
     return HFModelEngine(model, Limits(256, 256, 4), "int4")
 
 
@@ -342,13 +348,15 @@ def test_compiled_residual_epilogue_is_bit_identical_to_the_unfused_add(monkeypa
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the pass runs on every compile here
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
     engine = _int4_model(torch.bfloat16)
-    before = fusion.STATS["fused"]
-    ids, logits, _ = _decode(engine, PROMPTS.cuda(), 10, capture=True, compile=True)
+    one = PROMPTS[:1].cuda()  # one row: the ordered one-row kernel, whose output the rewrite fuses with the add
+    before, graphs = fusion.STATS["fused"], fusion.STATS["graphs"]
+    ids, logits, _ = _decode(engine, one, 10, capture=True, compile=True)
+    assert fusion.STATS["graphs"] > graphs, "the post-grad pass was not installed"
     assert fusion.STATS["fused"] > before, "no residual add was fused: the test compares nothing"
     torch._dynamo.reset()
     decode._COMPILED.clear()
     with switches("int4_residual_epilogue"):
         before = fusion.STATS["fused"]
-        plain_ids, plain_logits, _ = _decode(engine, PROMPTS.cuda(), 10, capture=True, compile=True)
+        plain_ids, plain_logits, _ = _decode(engine, one, 10, capture=True, compile=True)
         assert fusion.STATS["fused"] == before
     assert torch.equal(ids, plain_ids) and torch.equal(logits, plain_logits)
