@@ -1090,7 +1090,8 @@ def test_cli_interrupt_exits_130(monkeypatch, capsys, exports):
 
 
 # ------------------------------------------------------------------------------------------------ step
-def test_audit_step_is_cached_and_audits_external_checkpoints(exports, tiny_llama, shared_cache, tmp_path):
+def test_audit_step_is_cached_and_audits_external_checkpoints(exports, tiny_llama, shared_cache, tmp_path,
+                                                              monkeypatch):
     from conftest import compose
 
     from quantlab.graph import Executor, steps_for
@@ -1113,6 +1114,11 @@ def test_audit_step_is_cached_and_audits_external_checkpoints(exports, tiny_llam
     assert report.passed and report.canary is not None
     report, events = audited(["+precision=fp8", "kv_cache=fp8"])
     assert [a for s, _, a in events if s == "audit"] == ["reused"] and report.passed
+    assert len(audit_stage.audit_code()) == 16
+    monkeypatch.setattr(audit_stage, "audit_code", lambda: "other audit code")  # a fix in quantlab/audit: audited anew
+    report, events = audited(["+precision=fp8", "kv_cache=fp8"])
+    assert [a for s, _, a in events if s == "audit"] == ["built"] and report.passed
+    monkeypatch.undo()
     fault = next(f for f in FAULTS if f.name == "kv_scales_one")
     damage(fault, exports(*fault.base), tiny_llama, tmp_path / "ext")
     report, _ = audited(["+precision=fp8", "kv_cache=fp8", f"engine.checkpoint={tmp_path / 'ext'}"])

@@ -7,6 +7,8 @@ Its value is the AuditReport; a report with error findings is what the pipeline 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -22,6 +24,17 @@ REPORT = "audit.json"
 CANARY = {"canary": True, "windows": 2, "tokens": 128}  # the logits canary's settings (part of the key)
 
 
+@functools.cache
+def audit_code() -> str:
+    """A digest of the code that decides an audit (quantlab/audit/*.py and the formats' bounds in precisions.py): a
+    verdict stored by other audit code is not reused (a fix of a false alarm must reach the cached runs too)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "audit").glob("*.py")) + [root / "precisions.py"]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def step(ctx: RunContext) -> Step:
     """The audit of r.value("export") against the unquantized model r.value("prepare")."""
     from quantlab.audit import AUDIT_SCHEMA
@@ -35,7 +48,8 @@ def step(ctx: RunContext) -> Step:
     def key(r) -> str:
         canary = CANARY if prefix(r) in ("none", "auto") else {**CANARY, "prefix": prefix(r)}
         return ctx.store.key("audit", export=r.fingerprint("export"), model=r.fingerprint("prepare"), canary=canary,
-                             device=ctx.device.arch, dtype=str(ctx.dtype), schema=AUDIT_SCHEMA, versions=versions())
+                             device=ctx.device.arch, dtype=str(ctx.dtype), schema=AUDIT_SCHEMA, versions=versions(),
+                             code=audit_code())
 
     def build(out: Path, r) -> dict:
         from quantlab.audit import audit
