@@ -23,9 +23,7 @@ from test_formats import (
     _linear_weights,
     _plain_tensors,
     _save,
-    _t,
     _weight_args,
-    pack_fields,
 )
 
 reference = test_formats.reference  # the tiny reference Llama (a module-scoped fixture)
@@ -52,18 +50,8 @@ RECIPE = """default_stage:
 
 
 def _pack_w4a16(weights: dict[str, torch.Tensor], tensors: dict) -> None:
-    """pack-quantized int4, asymmetric, group GROUP, as tests/test_formats.py's build_ct_w4a16 lays it out."""
-    for name, w in weights.items():
-        rows, cols = w.shape
-        g = w.reshape(rows, cols // GROUP, GROUP)
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        s = (hi - lo) / 15
-        z = torch.clamp(torch.round(-8 - lo / s), -8, 7)
-        q = torch.clamp(torch.round(g / s[..., None]) + z[..., None], -8, 7).reshape(rows, cols)
-        tensors[f"{name}.weight_packed"] = _t(pack_fields((q + 8).long().numpy(), 4))
-        tensors[f"{name}.weight_scale"] = s
-        tensors[f"{name}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
-        tensors[f"{name}.weight_zero_point"] = _t(pack_fields((z + 8).long().numpy().T, 4).T)
+    """pack-quantized int4, asymmetric, group GROUP (tests/test_formats.py's pack_w4a16)."""
+    test_formats.pack_w4a16(weights, tensors, symmetric=False)
 
 
 def _value_to_output_columns(s: torch.Tensor) -> torch.Tensor:

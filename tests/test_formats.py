@@ -148,11 +148,12 @@ def build_ct_w8a8(reference: Path, out: Path):
                                                      acts)), deq, "int8"
 
 
-def build_ct_w4a16(reference: Path, out: Path, symmetric: bool):
-    """pack-quantized int4, group 32: codes q in [-8, 7] stored as q + 8, eight per int32 along the input dimension;
-    asymmetric zero points (also + 8) packed along the output dimension."""
-    tensors, deq = _plain_tensors(reference), {}
-    for name, w in _linear_weights(reference).items():
+def pack_w4a16(weights: dict, tensors: dict, symmetric: bool) -> dict:
+    """pack-quantized int4 of these weights into tensors, group GROUP: codes q in [-8, 7] stored as q + 8, eight per
+    int32 along the input dimension; asymmetric zero points (also + 8) packed along the output dimension. Returns
+    the dequantized weights."""
+    deq = {}
+    for name, w in weights.items():
         rows, cols = w.shape
         g = w.reshape(rows, cols // GROUP, GROUP)
         if symmetric:
@@ -169,6 +170,13 @@ def build_ct_w4a16(reference: Path, out: Path, symmetric: bool):
         if not symmetric:
             tensors[f"{name}.weight_zero_point"] = _t(pack_fields((z + 8).long().numpy().T, 4).T)
         deq[name] = ((q.reshape(rows, cols // GROUP, GROUP) - z[..., None]) * s[..., None]).reshape(rows, cols)
+    return deq
+
+
+def build_ct_w4a16(reference: Path, out: Path, symmetric: bool):
+    """pack-quantized int4, group 32 (pack_w4a16)."""
+    tensors = _plain_tensors(reference)
+    deq = pack_w4a16(_linear_weights(reference), tensors, symmetric)
     args = _weight_args(4, "int", "group", symmetric, GROUP)
     return _save(out, reference, tensors, _ct_config("pack-quantized", args, None)), deq, None
 
