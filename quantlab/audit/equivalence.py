@@ -228,7 +228,7 @@ class PairAnalysis:
         says, -log r on the producer's rows, log c on the consumer's columns)."""
         import torch
 
-        from quantlab.audit.weights import _weight_stats
+        from quantlab.audit.weight_stats import weight_stats as _weight_stats
 
         p_fold, p_ref, p_deq, lr, r_ok = p
         c_ref, c_deq, lc, c_ok = c

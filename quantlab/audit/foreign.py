@@ -340,7 +340,7 @@ def check_weights(a: ForeignAuditState) -> None:
 
 
 def _stats64(ref, ours) -> dict:
-    """weights._weight_stats in float64: a token embedding has tens of millions of values, where float32 dot
+    """weight_stats.weight_stats in float64: a token embedding has tens of millions of values, where float32 dot
     products lose whole percents (a bit-exact Q8_0 embedding of 28M values read cosine 0.94)."""
     import torch
 
