@@ -956,6 +956,9 @@ class ServerProcess:
                     os.killpg(pgid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+                deadline = time.monotonic() + 5  # SIGKILL is delivered at once, the exit is not: return when it is
+                while _group_alive(pgid, proc) and time.monotonic() < deadline:
+                    time.sleep(0.02)
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
