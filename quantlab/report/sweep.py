@@ -281,8 +281,9 @@ CHECKPOINT_FILES = (".gguf", ".safetensors")
 
 
 def _identity(run_dir: Path, record: dict, doc: dict) -> dict:
-    """What the attribution pairs runs by: the evaluation tokens' fingerprint and the checkpoint files the run
-    judged (a served run: engine.serve_checkpoint; other engines: the checkpoint in the run dir and its source)."""
+    """What the attribution pairs runs by: the evaluation tokens' fingerprint and the paths of the checkpoint the
+    run judged (a served run: engine.serve_checkpoint; other engines: the checkpoint in the run dir and its source).
+    Their files are read only where a summary holds a served run (attribution)."""
     data = record.get("data") if isinstance(record.get("data"), dict) else {}
     evalset = data.get("eval") if isinstance(data.get("eval"), dict) else {}
     engine_cfg = ((record.get("config") or {}).get("engine") or {}) if isinstance(record.get("config"), dict) else {}
@@ -290,11 +291,11 @@ def _identity(run_dir: Path, record: dict, doc: dict) -> dict:
     if isinstance(engine_cfg, dict) and engine_cfg.get("serve_checkpoint"):
         paths.append(str(engine_cfg["serve_checkpoint"]))
     if (run_dir / "checkpoint").exists():
-        paths.append(str(run_dir / "checkpoint"))
+        paths.append(str(run_dir.resolve() / "checkpoint"))
     source = ((doc.get("run") or {}).get("checkpoint") or {}) if isinstance(doc.get("run"), dict) else {}
     if isinstance(source, dict) and source.get("path"):
         paths.append(str(source["path"]))
-    return {"eval_data": evalset.get("fingerprint"), "checkpoint_files": sorted(_files_of(paths))}
+    return {"eval_data": evalset.get("fingerprint"), "checkpoint_paths": paths}
 
 
 def _files_of(paths: list[str]) -> set[str]:
@@ -334,11 +335,17 @@ def attribution(rows: list[dict]) -> list[dict]:
     """Where it went wrong: each served run beside the run of quantlab's own engine on the same model, the same
     evaluation tokens and (where both record it) the same checkpoint file, else the same precision; both against
     the same reference. A served run without such a partner is listed with the reason."""
-    out = []
+    out, files = [], {}
+
+    def files_of(row: dict) -> set[str]:
+        if row["run_dir"] not in files:
+            files[row["run_dir"]] = _files_of(row["checkpoint_paths"])
+        return files[row["run_dir"]]
+
     for served in (r for r in rows if r["engine"] == "served"):
         same = [r for r in rows if r["engine"] in QUANTLAB_ENGINES and r["model"] == served["model"]
                 and r.get("eval_data") and r.get("eval_data") == served.get("eval_data")]
-        by_file = [r for r in same if set(r["checkpoint_files"]) & set(served["checkpoint_files"])]
+        by_file = [r for r in same if files_of(r) & files_of(served)]
         partners, how = (by_file, "the same checkpoint file") if by_file else (
             [r for r in same if r["precision"] == served["precision"]], "the same precision")
         entry = {"served": served, "quantlab": None, "paired_by": None, "attributed": None, "says": None}
