@@ -257,19 +257,11 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
         if out.router is not None and "router" in ref_block:
             ref_ids = ref_block["router"][blo: blo + batch.shape[0]]
             router.append(metrics.router_agreement(ref_ids, out.router)[:, :-1].cpu())
-        device = head.device
-        targets = batch[:, 1:].to(device)
-        ref_hidden = ref_block["hidden"][blo: blo + batch.shape[0]].to(device)
-        t = targets.shape[1]
-        step = _chunk(batch.shape[0], head.vocab)
-        rows: dict[str, list] = {k: [] for k in POSITION_FIELDS}
-        for p in range(0, t, step):
-            q = min(p + step, t)
-            cmp = metrics.compare_positions(head(ref_hidden[:, p:q]), out.logits(p, q).to(device), targets[:, p:q])
-            for k in POSITION_FIELDS:
-                rows[k].append(cmp[k].cpu())
+        rows = _by_chunks(batch, ref_block["hidden"][blo: blo + batch.shape[0]], head, POSITION_FIELDS,
+                          lambda ref_logits, p, q, targets, out=out: metrics.compare_positions(
+                              ref_logits, out.logits(p, q).to(ref_logits.device), targets))
         for k in POSITION_FIELDS:
-            fields[k].append(torch.cat(rows[k], 1))
+            fields[k].append(rows[k])
         del out
     arrays = {k: torch.cat(v).to(getattr(torch, POSITION_FIELDS[k])) for k, v in fields.items()}
     if router:
@@ -281,25 +273,36 @@ def compare_block(engine, tokens, ref_block: dict, head, cfg: EvalConfig, prompt
     return arrays
 
 
-def _compare_sparse_batch(sparse, batch, ref_hidden, head, fields: dict, extra: dict) -> None:
-    """One batch of a sparse-log-prob candidate (a server) against the reference's recomputed logits."""
+def _by_chunks(batch, ref_hidden, head, keys, compare) -> dict:
+    """compare(reference logits, p, q, targets) over the batch's predicted positions in chunks of _chunk positions
+    (nothing of [positions x vocabulary] for more of them at once), each key's rows joined along positions."""
     import torch
 
     device = head.device
     targets, ref_hidden = batch[:, 1:].to(device), ref_hidden.to(device)
     t = targets.shape[1]
     step = _chunk(batch.shape[0], head.vocab)
-    rows: dict[str, list] = {k: [] for k in (*POSITION_FIELDS, "ref_out")}
+    rows: dict[str, list] = {k: [] for k in keys}
     for p in range(0, t, step):
         q = min(p + step, t)
-        cmp = metrics.compare_sparse(head(ref_hidden[:, p:q]), sparse.target[:, p:q].to(device),
-                                     sparse.ids[:, p:q].to(device), sparse.logprobs[:, p:q].to(device),
-                                     targets[:, p:q])
-        for k in rows:
+        cmp = compare(head(ref_hidden[:, p:q]), p, q, targets[:, p:q])
+        for k in keys:
             rows[k].append(cmp[k].cpu())
+    return {k: torch.cat(v, 1) for k, v in rows.items()}
+
+
+def _compare_sparse_batch(sparse, batch, ref_hidden, head, fields: dict, extra: dict) -> None:
+    """One batch of a sparse-log-prob candidate (a server) against the reference's recomputed logits."""
+    import torch
+
+    device = head.device
+    rows = _by_chunks(batch, ref_hidden, head, (*POSITION_FIELDS, "ref_out"),
+                      lambda ref_logits, p, q, targets: metrics.compare_sparse(
+                          ref_logits, sparse.target[:, p:q].to(device), sparse.ids[:, p:q].to(device),
+                          sparse.logprobs[:, p:q].to(device), targets))
     for k in POSITION_FIELDS:
-        fields[k].append(torch.cat(rows[k], 1))
-    extra["ref_out"].append(torch.cat(rows["ref_out"], 1))
+        fields[k].append(rows[k])
+    extra["ref_out"].append(rows["ref_out"])
     extra["ambiguous"].append(torch.tensor([float(sparse.ambiguous)]))
 
 
