@@ -203,6 +203,15 @@ SPINQUANT_R3 = {"config_groups": {"R3": {"type": "hadamard", "head_dim": HEAD_DI
                                                    {"targets": ["re:.*self_attn$"], "location": "k_cache"}]}}}
 
 
+def _with_transform(source: Path, ckpt: Path, transform: dict) -> Path:
+    """A copy of a checkpoint whose quantization_config declares this transform_config."""
+    shutil.copytree(source, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = transform
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
 @pytest.mark.parametrize("transform, named", [(SPINQUANT_R4, "config_groups.R4"), (SPINQUANT_R3, "config_groups.R3")])
 def test_an_online_transform_is_refused_with_exit_2_naming_it(transform, named, smoothed, tmp_path, capsys):
     """A run-time Hadamard (SpinQuant R4 before down_proj, R3 on the queries and keys): the checkpoint computes
@@ -212,11 +221,7 @@ def test_an_online_transform_is_refused_with_exit_2_naming_it(transform, named, 
     from quantlab.errors import QuantlabError
     from quantlab.formats import open_checkpoint
 
-    ckpt = tmp_path / "online"
-    shutil.copytree(smoothed(None), ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"]["transform_config"] = transform
-    (ckpt / "config.json").write_text(json.dumps(config))
+    ckpt = _with_transform(smoothed(None), tmp_path / "online", transform)
     with pytest.raises(QuantlabError) as exc:
         open_checkpoint(ckpt)
     assert exc.value.exit_code == 2 and named in str(exc.value) and "at run time" in str(exc.value), str(exc.value)
@@ -238,11 +243,7 @@ def test_an_offline_rotation_is_refused_naming_it_not_audited_as_faults(smoothed
     from quantlab.errors import QuantlabError
     from quantlab.formats import open_checkpoint
 
-    ckpt = tmp_path / "rotated"
-    shutil.copytree(smoothed(None), ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"]["transform_config"] = SPINQUANT_R1
-    (ckpt / "config.json").write_text(json.dumps(config))
+    ckpt = _with_transform(smoothed(None), tmp_path / "rotated", SPINQUANT_R1)
     with pytest.raises(QuantlabError) as exc:
         open_checkpoint(ckpt)
     text = str(exc.value)
