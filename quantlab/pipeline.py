@@ -13,6 +13,7 @@ from pathlib import Path
 from quantlab import costs, preflight, progress, rundir
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import Config
+from quantlab.engines.registry import check_kernel_names
 from quantlab.env import git_commit, resolve_device, resolve_dtype, versions
 from quantlab.errors import EXIT_GATE_FAILED, EXIT_OK, QuantlabError
 from quantlab.gate import checks as gate_checks
@@ -28,8 +29,8 @@ def context(cfg: Config) -> RunContext:
     """Config checks, the store and the device: everything decided before any model is touched."""
     preflight.check_config(cfg)
     kernels = getattr(cfg.engine, "kernels", None)
-    if kernels is not None:  # engine.kernels (checked when built) and $QUANTLAB_DISABLED_KERNELS, before any compute
-        kernels.__post_init__()
+    if kernels is not None:  # engine.kernels (also a list changed after the config was built) and the environment
+        check_kernel_names(kernels.disabled, "engine.kernels.disabled")
         kernels.resolved()
     store = ArtifactStore(cfg.cache_dir)
     device = resolve_device(cfg.model.device)
