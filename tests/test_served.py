@@ -407,6 +407,11 @@ def test_a_served_run_end_to_end(q8, tmp_path, shared_cache):
     assert (entry["attributed"], entry["says"]) == want
     md, _ = write_summary(tmp_path / "summary", [tmp_path, own], rows)
     assert "Where it went wrong" in md.read_text() and want[0] in md.read_text()
+    # the same two runs, had the served one been gated by a looser bound: their verdicts are not compared
+    looser = [dict(r, gate_checks=[*r["gate_checks"][:-1], "ppl_ratio <= 9"]) if r["engine"] == "served" else r
+              for r in rows]
+    [other_gate] = attribution(looser)
+    assert other_gate["attributed"] == "not attributable" and "gated by different checks" in other_gate["says"]
     other = tmp_path / "other"  # another checkpoint (Q4_0) judged by quantlab: not the served file, not paired
     q4 = tmp_path / "smollm2-q4_0.gguf"
     requantize(_gguf_source(), q4, "Q4_0")

@@ -295,7 +295,9 @@ def _identity(run_dir: Path, record: dict, doc: dict) -> dict:
     source = ((doc.get("run") or {}).get("checkpoint") or {}) if isinstance(doc.get("run"), dict) else {}
     if isinstance(source, dict) and source.get("path"):
         paths.append(str(source["path"]))
-    return {"eval_data": evalset.get("fingerprint"), "checkpoint_paths": paths}
+    gate = doc.get("gate") if isinstance(doc.get("gate"), dict) else {}
+    checks = [c.get("name") for c in gate.get("checks") or [] if isinstance(c, dict) and c.get("name")]
+    return {"eval_data": evalset.get("fingerprint"), "checkpoint_paths": paths, "gate_checks": sorted(checks)}
 
 
 def _files_of(paths: list[str]) -> set[str]:
@@ -334,7 +336,8 @@ ATTRIBUTION = {
 def attribution(rows: list[dict]) -> list[dict]:
     """Where it went wrong: each served run beside the run of quantlab's own engine on the same model, the same
     evaluation tokens and (where both record it) the same checkpoint file, else the same precision; both against
-    the same reference. A served run without such a partner is listed with the reason."""
+    the same reference, attributed by the two verdicts when both were gated by the same checks. A served run
+    without such a partner is listed with the reason."""
     out, files = [], {}
 
     def files_of(row: dict) -> set[str]:
@@ -352,6 +355,12 @@ def attribution(rows: list[dict]) -> list[dict]:
         if len(partners) != 1:
             entry["says"] = ("no run of quantlab's engine on the same evaluation tokens and checkpoint" if not partners
                              else f"{len(partners)} runs of quantlab's engine match ({how}): not attributed")
+        elif partners[0]["gate_checks"] != served["gate_checks"]:  # verdicts of different gates say nothing paired
+            q = partners[0]
+            entry.update(quantlab=q, paired_by=how, attributed="not attributable")
+            entry["says"] = (f"gated by different checks (quantlab's engine: {'; '.join(q['gate_checks']) or 'none'}; "
+                             f"served: {'; '.join(served['gate_checks']) or 'none'}): give both runs the same "
+                             "+precision or gate.thresholds, or compare the metrics")
         else:
             q = partners[0]
             entry.update(quantlab=q, paired_by=how)
