@@ -41,3 +41,35 @@ def column_spread(rr, ee, re) -> float:
         return 0.0
     logc = torch.log(re[keep] / ee[keep])
     return float(1.4826 * (logc - logc.median()).abs().median())
+
+
+# int4 formats whose weights are codes in [-8, 7] times a per-group scale of amax / 7 along the input dimension
+INT4_GROUP_FORMATS = ("W4A16_AWQ", "W4A8_AWQ")
+
+
+def format_baseline(space, quant_algo: str, group_size: int | None) -> dict | None:
+    """What the format's own round-to-nearest makes of this weight (given in the quantizer's space, smoothing
+    applied): the statistics of a healthy export of exactly this layer, against which a layer beyond the format's
+    general bounds is judged (an outlier-heavy layer quantizes worse than the models the bounds came from, and is
+    not broken for it). None for formats without a baseline here."""
+    import torch
+
+    if quant_algo not in INT4_GROUP_FORMATS or not group_size or space.dim() != 2 or space.shape[1] % group_size:
+        return None
+    w = space.float().reshape(space.shape[0], -1, group_size)
+    scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 7
+    rtn = (torch.round(w / scale).clamp(-8, 7) * scale).reshape(space.shape)
+    return weight_stats(space, rtn)
+
+
+SQNR_SLACK_DB, COSINE_SLACK, SPREAD_SLACK = 1.0, 0.01, 0.02  # an export this close to its format's own RTN is as good
+
+
+def as_good_as_format(row: dict) -> bool:
+    """Whether a layer's statistics are as good as its format's own round-to-nearest of the same weights
+    (row["format_rtn"], format_baseline()): within 1 dB of SQNR, 0.01 of cosine, and a column spread at most 1.25x
+    + 0.02 of it."""
+    base = row.get("format_rtn")
+    return bool(base) and row["sqnr_db"] >= base["sqnr_db"] - SQNR_SLACK_DB \
+        and row["cosine"] >= base["cosine"] - COSINE_SLACK \
+        and row["column_spread"] <= 1.25 * base["column_spread"] + SPREAD_SLACK

@@ -11,6 +11,7 @@ from quantlab.audit.coverage import check_fused_groups
 from quantlab.audit.layout import _Probe, block_of
 from quantlab.audit.report import ERROR, INFO, WARNING
 from quantlab.audit.state import SCALE_SUFFIXES, AuditState
+from quantlab.audit.weight_stats import as_good_as_format, format_baseline
 from quantlab.audit.weight_stats import weight_stats as _weight_stats
 from quantlab.checkpoint import FLOAT_DTYPES, CheckpointTensors, LayerFormat
 from quantlab.errors import QuantlabError
@@ -198,12 +199,16 @@ def _compare_weight(a: AuditState, module: str, fmt: LayerFormat, layer, dev: st
         spaces.append((fold, space))
         row = _weight_stats(space, deq)
         if best is None or row["sqnr_db"] > best[1]["sqnr_db"]:
-            best = (fold, row)
-    fold, row = best
+            best = (fold, row, space)
+    fold, row, space = best
     if keep is not None:
         keep[module] = (spaces, deq)
     if fold and fold != "pre_quant_scale":
         a.folded.add(fold)
+    b = weight_bounds(fmt.quant_algo)
+    if row["cosine"] < b.cosine_error or row["sqnr_db"] < b.sqnr_error_db or row["column_spread"] > \
+            b.column_spread_error:  # beyond the format's bounds: what does the format itself make of this layer?
+        row["format_rtn"] = format_baseline(space, fmt.quant_algo, fmt.group_size)
     return {"module": module, "format": fmt.quant_algo, **row, "fold": fold}
 
 
@@ -241,6 +246,9 @@ def _fold_candidates(a: AuditState, module: str, width: int):
 
 def _judge_weights(a: AuditState, stats: list[dict]) -> None:
     direction, noise, noisy, gain_bad, gain_warn = [], [], [], [], []
+    limited = [r for r in stats if as_good_as_format(r)]  # beyond the bounds only as far as the format itself goes
+    _format_limited(a, limited)
+    stats = [r for r in stats if not as_good_as_format(r)]
     _judge_columns(a, stats)
     for row in stats:
         b = weight_bounds(row["format"])
@@ -312,6 +320,23 @@ def _judge_weights(a: AuditState, stats: list[dict]) -> None:
               f"{min(r['sqnr_db'] for r in stats):.1f}-{max(r['sqnr_db'] for r in stats):.1f} dB (worst "
               f"{worst['module']}), cosine >= {min(r['cosine'] for r in stats):.4f}, gain "
               f"{min(r['gain'] for r in stats):.3f}-{max(r['gain'] for r in stats):.3f}")
+
+
+def _format_limited(a: AuditState, rows: list[dict]) -> None:
+    """Layers beyond their format's general bounds that are as good as the format's own round-to-nearest of the
+    same weights: a format too coarse for them (outlier-heavy layers), not a broken export."""
+    if not rows:
+        return
+    rows = sorted(rows, key=lambda r: r["sqnr_db"])
+    shown = ", ".join(f"{r['module']} SQNR {r['sqnr_db']:.1f} dB cosine {r['cosine']:.4f} spread "
+                      f"{r['column_spread']:.3f} (round-to-nearest: {r['format_rtn']['sqnr_db']:.1f} dB, "
+                      f"{r['format_rtn']['cosine']:.4f}, {r['format_rtn']['column_spread']:.3f})" for r in rows[:3])
+    a.add(WARNING, "weights", [r["module"] for r in rows], f"{len(rows)} layer(s) carry more error than healthy "
+          f"exports of their format, as much as the format's own round-to-nearest of the same (smoothed) weights "
+          f"gives: {shown}{' (and more)' if len(rows) > 3 else ''}",
+          "the format is too coarse for these layers (outlier-heavy weights): the export itself is consistent",
+          consequence="served as is, these layers carry the format's full error; the evaluation measures its cost",
+          fix="keep these layers in higher precision (quantization exclusions) or use a finer group size")
 
 
 def _judge_columns(a: AuditState, stats: list[dict]) -> None:
