@@ -177,10 +177,32 @@ def hf_tokenizer_dir(tokenizer, tmp_path_factory):
     return out
 
 
+def deployments(q8: Path, hf_tokenizer: Path, other_tokenizer: Path) -> list[dict]:
+    """llama-cpp-python's model settings of one server (its --config_file) serving, by alias, the deployment
+    docs/served.md describes ('smol': the Q8_0 file, llama.cpp's kernels, the model's own tokenizer) and four
+    deliberately wrong ones: another checkpoint ('other': the published Q4_1 file), a RoPE frequency base other
+    than the file's ('rope'), contexts shorter than a window ('ctx': 48, which llama.cpp rounds up to 256 while
+    llama-cpp-python's buffers keep 48; 'ctx256') and another tokenizer ('othertok'). The server
+    holds one model at a time and loads another when a request names it (about a second for this model)."""
+    base = {"model": str(q8), "n_ctx": 512, "logits_all": True, "n_threads": 1, "verbose": False,
+            "hf_pretrained_model_name_or_path": str(hf_tokenizer)}
+    return [{**base, "model_alias": "smol"}, {**base, "model_alias": "other", "model": str(_gguf_source())},
+            {**base, "model_alias": "rope", "rope_freq_base": 10000.0}, {**base, "model_alias": "ctx", "n_ctx": 48},
+            {**base, "model_alias": "ctx256", "n_ctx": 256},
+            {**base, "model_alias": "othertok", "hf_pretrained_model_name_or_path": str(other_tokenizer)}]
+
+
 @pytest.fixture(scope="module")
-def server(q8, hf_tokenizer_dir, tmp_path_factory):
-    """The deployment docs/served.md describes: llama.cpp's kernels, the model's own tokenizer."""
-    srv = _serve(q8, tmp_path_factory.mktemp("log"), hf_tokenizer_dir)
+def server(q8, hf_tokenizer_dir, tok_dir, tmp_path_factory):
+    """One llama-cpp-python server for the module's tests (started the way engine.command starts one), serving the
+    models of `deployments`: engine.model picks one."""
+    from quantlab.engines.served import ServerProcess
+
+    d = tmp_path_factory.mktemp("server")
+    config = d / "config.json"
+    config.write_text(json.dumps({"host": "127.0.0.1", "models": deployments(q8, hf_tokenizer_dir, tok_dir)}))
+    command = f"env PORT={{port}} {sys.executable} -m llama_cpp.server --config_file {config}"
+    srv = ServerProcess(_cfg(None, command=command, startup_timeout_s=120.0), d)
     yield srv
     srv.stop()
 
@@ -188,7 +210,7 @@ def server(q8, hf_tokenizer_dir, tmp_path_factory):
 def _cfg(url, **kw):
     base = dict(base_url=url, model="smol", dialect="llama_cpp", top_logprobs=10, timeout_s=60.0, retries=1,
                 concurrency=2, api_key_env=None, revision=None, command=None, serve_checkpoint=None,
-                startup_timeout_s=60.0)
+                startup_timeout_s=60.0, identity_check=True)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -282,6 +304,125 @@ def test_bad_inputs_exit_2_with_the_fix(server, tokenizer):
     slow = ServedEngine(_cfg(server.url, timeout_s=0.05, retries=1), tokenizer, limits)
     with pytest.raises(QuantlabError, match="did not answer /v1/completions after 2 tries.*timed out"):
         slow.forward(_windows(tokenizer, 1, 200))
+
+
+# ---------------------------------------------------------------- deliberately wrong deployments, localized
+@needs_llama
+def test_a_server_running_another_checkpoint_is_exit_2_naming_it(server, q8, tokenizer):
+    """engine.serve_checkpoint is the Q8_0 file; a server that runs another file (the published Q4_1 one) is exit 2
+    after window 1, named as another checkpoint by position 0 (after BOS: no RoPE, no context involved); the server
+    that runs the Q8_0 file passes the same check with nothing between its log-probs and llama.cpp's own."""
+    from quantlab.engines.served import ServedEngine
+
+    windows = _windows(tokenizer, 1, 24)
+    limits = Limits(512, 512, 8)
+    right = ServedEngine(_cfg(server.url, serve_checkpoint=str(q8)), tokenizer, limits)
+    right.forward(windows)
+    assert right.identity["positions"] == 23 and right.identity["window"] < 1e-4 and right.identity["position0"] < 1e-4
+    wrong = ServedEngine(_cfg(server.url, model="other", serve_checkpoint=str(q8)), tokenizer, limits)
+    with pytest.raises(QuantlabError, match=f"does not run engine.serve_checkpoint={q8}: after BOS .*another "
+                                            "checkpoint") as err:
+        wrong.forward(windows)
+    assert "identity_check=false" in err.value.fix
+    # off (engine.identity_check=false), or a file it cannot compute: the server is judged as it is
+    from quantlab.engines.served import identity_file
+
+    assert identity_file(_cfg(server.url, serve_checkpoint=str(q8))) == q8
+    for kw in ({"identity_check": False}, {"dialect": "vllm"}, {"serve_checkpoint": str(q8.parent)}):
+        assert identity_file(_cfg(server.url, **{"serve_checkpoint": str(q8), **kw})) is None
+
+
+@needs_llama
+def test_a_server_with_another_rope_base_is_exit_2_naming_rope(server, q8, tokenizer):
+    """The same Q8_0 file served with --rope_freq_base 10000 (the file's is 100000): position 0 agrees, the later
+    positions do not: exit 2 naming RoPE and the file's own setting. With the check off, the served perplexity is
+    what the gate then judges: far above the right deployment's on the same tokens."""
+    from quantlab.engines.served import ServedEngine
+
+    windows = _windows(tokenizer, 1, 32)
+    limits = Limits(512, 512, 8)
+    with pytest.raises(QuantlabError, match=r"runs the weights of .* with other position-dependent settings.*RoPE.*"
+                                            r"rope.freq_base=100000"):
+        ServedEngine(_cfg(server.url, model="rope", serve_checkpoint=str(q8)), tokenizer, limits).forward(windows)
+    rope = ServedEngine(_cfg(server.url, model="rope"), tokenizer, limits).forward(windows).sparse.target
+    right = ServedEngine(_cfg(server.url), tokenizer, limits).forward(windows).sparse.target
+    assert rope[0, 0] == right[0, 0]  # position 0: no rotation at all
+    assert math.exp(-rope.mean()) > 1.05 * math.exp(-right.mean())  # measured: 1.11 over 47 positions
+
+
+@needs_llama
+def test_a_server_context_shorter_than_a_window_is_exit_2_naming_it(server, tokenizer):
+    """Windows longer than the server's context: exit 2 at the first window (nothing scored, no retry) naming the
+    tokens needed and the flag, and the server's context where it says it (llama.cpp rounds --n_ctx up to 256;
+    llama-cpp-python refuses a prompt over that with its size, and fails in its buffers, which keep --n_ctx
+    positions, on one between the two: HTTP 500 'could not broadcast'); a greedy continuation the context cuts
+    (llama-cpp-python shortens max_tokens silently) is exit 2 too, not a divergence."""
+    from quantlab.engines.served import ServedEngine
+
+    limits = Limits(512, 512, 8)
+    engine = ServedEngine(_cfg(server.url, model="ctx256"), tokenizer, limits)
+    with pytest.raises(QuantlabError, match="the server's context is 256 tokens and the request needs 301") as err:
+        engine.forward(_windows(tokenizer, 2, 300))
+    assert "--n_ctx 301" in err.value.fix and "eval.seq_len by 45" in err.value.fix
+    with pytest.raises(QuantlabError, match="stopped a greedy continuation at 16 of 32 tokens after a prompt of 240"):
+        engine.greedy(_windows(tokenizer, 1, 240), 32)
+    engine = ServedEngine(_cfg(server.url, model="ctx"), tokenizer, limits)
+    t0 = time.monotonic()
+    with pytest.raises(QuantlabError, match="context is shorter than the request's 65 tokens") as err:
+        engine.forward(_windows(tokenizer, 2, 64))
+    assert "--n_ctx 65" in err.value.fix
+    assert time.monotonic() - t0 < 10  # not retried
+
+
+@needs_llama
+def test_a_server_with_another_tokenizer_is_exit_2(server, tokenizer):
+    """The Q8_0 file served with another model's tokenizer (the test suite's own, a smaller vocabulary): the echo
+    check ends the run at the first window, naming the position."""
+    from quantlab.engines.served import ServedEngine
+
+    engine = ServedEngine(_cfg(server.url, model="othertok"), tokenizer, Limits(512, 512, 8))
+    with pytest.raises(QuantlabError, match="does not see the tokens sent: first difference at position"):
+        engine.forward(_windows(tokenizer, 1, 48))
+
+
+def test_a_served_file_other_than_serve_checkpoint_is_exit_2(tmp_path):
+    """A llama.cpp server without an alias lists the GGUF it loaded: another file than engine.serve_checkpoint is
+    exit 2 naming both (the same file by another path, a hard link, passes); a started server whose command does
+    not name {checkpoint} nor the file is exit 2 before it starts."""
+    from quantlab.engines.served import check_config, check_served_file
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + b"a" * 100)
+    b.write_bytes(b"GGUF" + b"b" * 100)
+    (tmp_path / "link").mkdir()
+    os.link(a, tmp_path / "link" / "c.gguf")
+    check_served_file(str(a), str(a))
+    check_served_file(str(tmp_path / "link" / "c.gguf"), str(a))
+    check_served_file("/elsewhere/a.gguf", str(a))  # not here: the same name is all that can be compared
+    check_served_file("smol", str(a))  # an alias says nothing
+    with pytest.raises(QuantlabError, match=f"serves {b} .*not engine.serve_checkpoint={a}"):
+        check_served_file(str(b), str(a))
+    with pytest.raises(QuantlabError, match="does not name {checkpoint} nor engine.serve_checkpoint"):
+        check_config(_cfg(None, command="serve --model /models/b.gguf --port {port}", serve_checkpoint=str(a)))
+    check_config(_cfg(None, command=f"serve --model {a} --port {{port}}", serve_checkpoint=str(a)))
+
+
+def test_context_answers_of_each_dialect_name_the_size():
+    """The context-length refusals of llama-cpp-python (run here), llama_cpp / llama.cpp's server, vLLM and SGLang
+    (their wording, not run here): exit 2 naming the server's context and what a window needs."""
+    from quantlab.engines.served import http_error
+
+    for detail, n_ctx, need in (
+            ("This model's maximum context length is 48 tokens, however you requested 65 tokens (64 in your prompt; "
+             "1 for the completion).", 48, 65),
+            ("Requested tokens (64) exceed context window of 48", 48, 65),
+            ("This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2099 in the "
+             "messages, 1 in the completion).", 2048, 2100),
+            ("The input (600 tokens) is longer than the model's context length (512 tokens).", 512, 601)):
+        err = http_error("http://h/v1/completions", 400, detail)
+        assert f"context is {n_ctx} tokens and the request needs {need}" in str(err), detail
+        assert f"--n_ctx {need}" in err.fix and f"eval.seq_len by {need - n_ctx}" in err.fix
+    assert "context" not in str(http_error("http://h/v1/completions", 400, "bad prompt"))
 
 
 def test_a_command_template_is_checked_before_anything_starts(tmp_path):

@@ -129,6 +129,7 @@ class ServedEngineConfig(EngineConfig):
     command: Optional[str] = None  # started by quantlab: a template with {port} (and {checkpoint}); base_url unset
     serve_checkpoint: Optional[str] = None  # what {checkpoint} names (a path: its size and mtime join the cache key)
     startup_timeout_s: float = 300.0  # the started server must answer /v1/models within this
+    identity_check: bool = True  # window 1 against llama.cpp's own log-probs of serve_checkpoint (a GGUF), exit 2 off
 
 
 # ---------------------------------------------------------------------------------------------- entries

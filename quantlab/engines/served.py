@@ -137,7 +137,8 @@ class Client:
                 break
             except urllib.error.HTTPError as exc:
                 detail = exc.read()[:400].decode("utf-8", "replace")
-                if exc.code in (429, 500, 502, 503, 504) and attempt < self.retries and "logits_all" not in detail:
+                if exc.code in (429, 500, 502, 503, 504) and attempt < self.retries and "logits_all" not in detail \
+                        and BUFFER_ERROR not in detail:
                     last = f"HTTP {exc.code}"
                     continue
                 raise http_error(url, exc.code, detail) from None
@@ -167,8 +168,58 @@ def auth_headers(key_env: str | None) -> dict:
     return headers
 
 
+CONTEXT_ERRORS = (  # (pattern, group of the server's context, group of the tokens asked for, + what they leave out)
+    # llama-cpp-python's server and vLLM (OpenAI's wording): "maximum context length is N tokens, however you
+    # requested R tokens (P in your prompt; 1 for the completion)"
+    (re.compile(r"maximum context length is (\d+) tokens[.,]? however,? you requested (\d+) tokens", re.I), 1, 2, 0),
+    # llama_cpp's own ValueError, where a server passes it through
+    (re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)"), 2, 1, 1),  # the prompt alone
+    # SGLang (written to its wording, not run here): "The input (R tokens) is longer than the model's context length
+    # (N tokens)"
+    (re.compile(r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"), 2, 1, 1),
+)
+
+
+BUFFER_ERROR = "could not broadcast input array from shape"  # llama-cpp-python: a prompt over its --n_ctx
+
+
+class ContextTooSmall(QuantlabError):
+    """A request the server's context cannot hold (exit 2): its context size (n_ctx) where the server said it."""
+
+    def __init__(self, message: str, *, fix: str, n_ctx: int | None = None):
+        super().__init__(message, fix=fix)
+        self.n_ctx = n_ctx
+
+
+def context_error(url: str, detail: str) -> QuantlabError | None:
+    """A server's "the prompt does not fit my context" answer as exit 2 naming its context size and the fix; None
+    for any other answer. llama-cpp-python allocates --n_ctx positions while llama.cpp rounds its context up (to
+    256 here), so a prompt between the two fails in its buffers (a numpy broadcast error, HTTP 500): that is named
+    as a context too small as well (the engine adds the prompt's length, ServedEngine.completion)."""
+    if BUFFER_ERROR in detail:
+        return ContextTooSmall(f"the server at {url} failed on a prompt longer than its context (llama-cpp-python's "
+                               f"buffers hold --n_ctx positions: {detail.strip()[:160]})",
+                               fix="restart the server with a larger --n_ctx (a window's eval.seq_len tokens plus "
+                                   "2), or lower eval.seq_len")
+    for pattern, n_group, need_group, plus in CONTEXT_ERRORS:
+        m = pattern.search(detail)
+        if m:
+            n_ctx, need = int(m.group(n_group)), int(m.group(need_group)) + plus  # + the one generated token
+            return ContextTooSmall(
+                f"the server's context is {n_ctx} tokens and the request needs {need} (a window: its eval.seq_len "
+                f"tokens, the prefix token included, and one generated): the server at {url} refused it before "
+                "computing anything",
+                fix=f"restart the server with a context of at least {need} tokens (llama-cpp-python: --n_ctx {need}; "
+                    f"llama.cpp's llama-server: --ctx-size {need}; vLLM: --max-model-len {need}), or lower "
+                    f"eval.seq_len by {need - n_ctx}", n_ctx=n_ctx)
+    return None
+
+
 def http_error(url: str, code: int, detail: str) -> QuantlabError:
     """The QuantlabError of an HTTP error answer, with the fix its status (or its text) points to."""
+    ctx = context_error(url, detail) if code in (400, 413, 422, 500) else None
+    if ctx is not None:
+        return ctx
     if "logits_all" in detail:
         return QuantlabError(f"the server at {url} returns no prompt log-probabilities ({detail.strip()[:200]})",
                              fix="start llama-cpp-python's server with --logits_all true")
@@ -281,6 +332,147 @@ def text_index(texts: list[str], whole: list[bool] | None = None) -> tuple[dict,
     return index, shared
 
 
+# ------------------------------------------------------------------------------- which checkpoint is served
+IDENTITY_POSITIONS = 64  # window 1's first positions, computed again by llama.cpp in quantlab's process
+IDENTITY_TOP = 20  # position 0: llama.cpp's most likely tokens after BOS compared
+IDENTITY_TOL = 0.01  # nats, mean |difference of log-probs|: the same file gives 0 here, another one 0.07 or more
+
+
+def _is_gguf(path) -> bool:
+    return bool(path) and str(path).lower().endswith(".gguf")
+
+
+def check_served_file(model_id: str, serve_checkpoint) -> None:
+    """A llama.cpp server started without an alias lists the GGUF file it loaded as its model: one that is not
+    engine.serve_checkpoint (by path, else by size and first MiB) is exit 2 naming both."""
+    if not (_is_gguf(model_id) and _is_gguf(serve_checkpoint)):
+        return
+    served, declared = Path(model_id), Path(str(serve_checkpoint))
+    if served.name == declared.name and not (served.is_file() and declared.is_file()):
+        return
+    if served.is_file() and declared.is_file():
+        if served.resolve() == declared.resolve() or os.path.samefile(served, declared):
+            return
+        if served.stat().st_size == declared.stat().st_size:
+            with open(served, "rb") as a, open(declared, "rb") as b:
+                if a.read(1 << 20) == b.read(1 << 20):
+                    return
+    raise QuantlabError(f"the server serves {model_id} (its /v1/models), not engine.serve_checkpoint="
+                        f"{serve_checkpoint}: the run would be recorded, cached and paired in a sweep summary as a "
+                        "file the server does not run",
+                        fix="start the server on engine.serve_checkpoint (--model {checkpoint}), or set "
+                            "engine.serve_checkpoint to the file it serves")
+
+
+def identity_file(cfg) -> Path | None:
+    """The GGUF file whose llama.cpp log-probs window 1 is checked against (engine.serve_checkpoint), or None where
+    no check runs (see identity_skipped)."""
+    import importlib.util
+
+    path = getattr(cfg, "serve_checkpoint", None)
+    if not getattr(cfg, "identity_check", True) or cfg.dialect != "llama_cpp" or not _is_gguf(path) \
+            or not Path(path).is_file() or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    return Path(path)
+
+
+def identity_skipped(cfg) -> str:
+    """Why which checkpoint the server runs is not checked (identity_file is None)."""
+    path = getattr(cfg, "serve_checkpoint", None)
+    if not getattr(cfg, "identity_check", True):
+        return "engine.identity_check=false: which checkpoint the server runs is not checked"
+    if not path:
+        return ("engine.serve_checkpoint is not set: which checkpoint the server runs is not checked (set it to the "
+                "GGUF file the server loads)")
+    if cfg.dialect != "llama_cpp" or not _is_gguf(path):
+        return (f"which checkpoint the server runs is not checked against {path} (the check computes a GGUF's "
+                "log-probs with llama_cpp, dialect llama_cpp only)")
+    if not Path(path).is_file():
+        return f"engine.serve_checkpoint={path} is not a file here: which checkpoint the server runs is not checked"
+    return ("llama_cpp is not importable here: which checkpoint the server runs is not checked (pip install -e "
+            "'.[served]')")
+
+
+def own_logprobs(path: Path, ids: list[int]):
+    """llama.cpp's log-probs [len(ids), V] of ids on the GGUF file, computed in this process (llama_cpp)."""
+    import llama_cpp
+    import numpy as np
+
+    _close_devnull_at_exit()
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=len(ids) + 8, n_batch=len(ids) + 8,
+                          n_threads=max(1, min(2, os.cpu_count() or 1)), verbose=False)
+    try:
+        llm.eval(ids)
+        scores = np.array(llm.scores[: len(ids)], dtype=np.float64)
+        rope = {k: v for k, v in llm.metadata.items() if ".rope." in k}
+    finally:
+        llm.close()
+    return llama_cpp.Llama.logits_to_logprobs(scores), rope
+
+
+def _close_devnull_at_exit() -> None:
+    """llama_cpp opens os.devnull twice at import (to silence llama.cpp) and never closes it: closed at exit, so a
+    run that computed the check ends without a ResourceWarning."""
+    import atexit
+
+    from llama_cpp import _utils
+
+    def close() -> None:
+        for name in ("outnull_file", "errnull_file"):
+            f = getattr(_utils, name, None)
+            if f is not None and not f.closed:
+                f.close()
+
+    if not getattr(_utils, "_quantlab_closes", False):
+        _utils._quantlab_closes = True
+        atexit.register(close)
+
+
+def check_identity(path: Path, ids: list[int], served_target: list[float], first: dict) -> dict:
+    """Window 1 as served against llama.cpp's own log-probs of the same tokens on engine.serve_checkpoint.
+
+    Position 0 (the distribution after BOS alone, where RoPE and the context size play no part) tells the weights
+    apart: another checkpoint differs there. Positions 1.. tell position-dependent settings apart (a RoPE frequency
+    base or scale, the context handling): the same weights agree at position 0 and not after. Either is exit 2 naming
+    it; engine.identity_check=false judges such a server as it is."""
+    import numpy as np
+
+    n = min(len(ids), IDENTITY_POSITIONS + 1)
+    t0 = time.time()
+    own, rope = own_logprobs(path, ids[:n])
+    top = np.argsort(-own[0])[:IDENTITY_TOP]
+    d0 = [abs(first["lp"][int(i)] - own[0, i]) for i in top if int(i) in first["lp"]]
+    dw = [abs(served_target[p] - own[p, ids[p + 1]]) for p in range(1, n - 1) if math.isfinite(served_target[p])]
+    out = {"file": str(path), "positions": n - 1, "position0": float(np.mean(d0)) if d0 else math.inf,
+           "window": float(np.mean(dw)) if dw else math.inf, "tolerance": IDENTITY_TOL, "seconds": 0.0}
+    out["seconds"] = round(time.time() - t0, 2)
+    off = "set engine.identity_check=false: the gate then judges the server as it is (a sweep summary attributes " \
+          "a failure to the serving stack)"
+    if out["position0"] > IDENTITY_TOL:
+        raise QuantlabError(
+            f"the server does not run engine.serve_checkpoint={path}: after BOS (position 0, where RoPE and the "
+            f"context play no part) its log-probs of llama.cpp's {IDENTITY_TOP} likeliest tokens are "
+            f"{out['position0']:.3g} nats from llama.cpp's own on that file, on average (the same file: 0 here; "
+            f"tolerance {IDENTITY_TOL}): it serves another checkpoint (another file, quantization or adapter), or "
+            "this one with other kernels",
+            fix="start the server on that file (--model {checkpoint}), or set engine.serve_checkpoint to the file it "
+                "serves; to judge a server that runs it with other kernels on purpose (a GPU, another llama.cpp "
+                "build), " + off)
+    if out["window"] > IDENTITY_TOL:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(rope.items())) or "none"
+        raise QuantlabError(
+            f"the server runs the weights of {path} (position 0 agrees: {out['position0']:.2g} nats) with other "
+            f"position-dependent settings: over positions 1-{n - 2} of window 1 its log-probs of the actual tokens "
+            f"are {out['window']:.3g} nats from llama.cpp's own on that file, on average (tolerance {IDENTITY_TOL}): "
+            f"a RoPE setting (frequency base or scale, rope scaling) or the context handling differs from the file's "
+            f"(its metadata: {shown})",
+            fix="start the server with the file's own RoPE settings (drop --rope_freq_base, --rope_freq_scale, "
+                f"--rope_scaling_type and the like); to judge this deployment as it is, {off}")
+    log.info("served: the server runs %s as llama.cpp does here (window 1, %d positions: %.2g nats on average, "
+             "position 0: %.2g; %.1f s)", path, n - 1, out["window"], out["position0"], out["seconds"])
+    return out
+
+
 # --------------------------------------------------------------------------------------------- the engine
 class ServedEngine(Engine):
     """The llama_cpp dialect over a running llama-cpp-python server (see the module doc)."""
@@ -299,7 +491,10 @@ class ServedEngine(Engine):
         self._first: dict | None = None
         self._lock = threading.Lock()
         self.repeat: dict | None = None
+        self.identity: dict | None = None  # check_identity's measurement, once window 1 was served
         self.check_server()
+        if identity_file(cfg) is None:
+            log.info("served: %s", identity_skipped(cfg))
 
     def check_server(self) -> None:
         """The server answers /v1/models and serves engine.model (llama-cpp-python answers any name with its
@@ -313,6 +508,7 @@ class ServedEngine(Engine):
             raise QuantlabError(f"the server at {self.client.base} does not serve engine.model={self.cfg.model!r} "
                                 f"(it serves: {', '.join(map(repr, ids)) or 'nothing'})",
                                 fix="set engine.model to one of those, or start the server with that model")
+        check_served_file(self.cfg.model, getattr(self.cfg, "serve_checkpoint", None))
 
     # -------------------------------------------------------------------------------------------- wire
     def _text(self, ids: list[int]) -> str:
@@ -353,11 +549,21 @@ class ServedEngine(Engine):
                             fix="serve the same checkpoint and tokenizer quantlab evaluates (the model's GGUF), "
                                 "without a chat template; or check eval.prefix_token")
 
-    def completion(self, prompt: str, **extra) -> dict:
-        """One /v1/completions request (temperature 0); the first choice, validated."""
+    def completion(self, prompt: str, need: int | None = None, **extra) -> dict:
+        """One /v1/completions request (temperature 0); the first choice, validated. need: the tokens the request
+        needs in the server's context (named where the server fails on its context without saying its size)."""
         url = self.client.base + "/v1/completions"
         body = {"model": self.cfg.model, "prompt": prompt, "temperature": 0.0, **extra}
-        out = self.client.call("/v1/completions", body)
+        try:
+            out = self.client.call("/v1/completions", body)
+        except ContextTooSmall as exc:
+            if exc.n_ctx is not None or need is None:
+                raise
+            raise ContextTooSmall(f"the server's context is shorter than the request's {need} tokens (a window: its "
+                                  "eval.seq_len tokens, the prefix token included, and one generated): llama-cpp-"
+                                  "python failed on it in its buffers, which hold --n_ctx positions",
+                                  fix=f"restart the server with a context of at least {need} tokens (llama-cpp-python: "
+                                      f"--n_ctx {need}), or lower eval.seq_len") from None
         choices = out.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise malformed(url, "no 'choices'")
@@ -424,7 +630,8 @@ class ServedEngine(Engine):
         if ids[0] != self.bos:
             raise QuantlabError("a window does not start with BOS, which llama-cpp-python's server needs",
                                 fix="add eval.prefix_token=bos")
-        lp = self._logprobs(self.completion(self.prompt_text(ids), max_tokens=1, echo=True, logprobs=k), url)
+        prompt = self.prompt_text(ids)
+        lp = self._logprobs(self.completion(prompt, len(ids) + 1, max_tokens=1, echo=True, logprobs=k), url)
         n = len(ids) - 1  # predicted positions; the server drops the leading BOS from its echo
         if len(lp["tokens"]) < n + 1:
             raise malformed(url, f"{len(lp['tokens'])} echoed tokens for a prompt of {len(ids)} (BOS dropped) plus one "
@@ -460,7 +667,11 @@ class ServedEngine(Engine):
         import torch
 
         rows = [row.tolist() for row in tokens.cpu()]
-        results = map_batch(self.window, rows, int(self.cfg.concurrency), self.client)
+        first = []
+        if self.identity is None and identity_file(self.cfg) is not None:  # window 1 alone, checked, then the rest
+            first = [self.window(rows[0])]
+            self.identity = check_identity(identity_file(self.cfg), rows[0], first[0][0], self.first_position())
+        results = first + map_batch(self.window, rows[len(first):], int(self.cfg.concurrency), self.client)
         k = int(self.cfg.top_logprobs)
         b, n = len(rows), len(rows[0]) - 1
         ids = torch.full((b, n, k), -1, dtype=torch.int64)
@@ -493,10 +704,18 @@ class ServedEngine(Engine):
         def one(row):
             if self.cfg.dialect in ID_DIALECTS:
                 return generated_ids(self, row, new_tokens)
-            choice = self.completion(self.prompt_text(row), max_tokens=new_tokens, echo=False, logprobs=1)
+            choice = self.completion(self.prompt_text(row), len(row) + new_tokens, max_tokens=new_tokens, echo=False,
+                                     logprobs=1)
             texts = self._logprobs(choice, url)["tokens"]
             if not all(isinstance(t, str) for t in texts):
                 raise malformed(url, "a generated token's text is not a string")
+            if len(texts) < new_tokens and choice.get("finish_reason") == "length":  # llama_cpp cuts max_tokens to
+                # what its context has left, silently: the continuation would read as a divergence
+                raise QuantlabError(f"the server stopped a greedy continuation at {len(texts)} of {new_tokens} "
+                                    f"tokens after a prompt of {len(row)}: its context is too small",
+                                    fix=f"restart the server with a context of at least {len(row) + new_tokens + 1} "
+                                        "tokens (llama-cpp-python: --n_ctx), or lower eval.gen_prompt_len / "
+                                        "eval.gen_tokens")
             got = [self.index.get(t) for t in texts][:new_tokens]
             return [-1 if g is None else g for g in got] + [-1] * (new_tokens - len(got))
 
@@ -683,17 +902,18 @@ def build(cfg, inputs, limits: Limits) -> ServedEngine:
 
 
 def identity(cfg) -> dict:
-    """What names the served candidate in the cache: the server (its URL, or the command and the checkpoint file it
-    serves, by size and mtime), the model name, k, the dialect and engine.revision."""
+    """What names the served candidate in the cache: the server (its URL, or the command), the checkpoint file it
+    serves (engine.serve_checkpoint, by size and mtime; for a server at a URL, the file it is declared to serve), the
+    model name, k, the dialect and engine.revision."""
     out = {"model": cfg.model, "k": cfg.top_logprobs, "dialect": cfg.dialect, "revision": cfg.revision}
     if getattr(cfg, "command", None):
         out["command"] = redact_command(cfg.command)
-        if cfg.serve_checkpoint:
-            path = Path(cfg.serve_checkpoint)
-            stat = path.stat() if path.exists() else None
-            out["checkpoint"] = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else str(path)
     else:
         out["url"] = cfg.base_url
+    if cfg.serve_checkpoint:
+        path = Path(cfg.serve_checkpoint)
+        stat = path.stat() if path.exists() else None
+        out["checkpoint"] = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}" if stat else str(path)
     return out
 
 
@@ -724,6 +944,12 @@ def check_command(cfg) -> None:
     if cfg.base_url:
         raise QuantlabError("engine.base_url and engine.command are both set",
                             fix="drop engine.base_url (the started server's address is http://127.0.0.1:{port})")
+    if cfg.serve_checkpoint and "checkpoint" not in fields and str(cfg.serve_checkpoint) not in cfg.command \
+            and Path(cfg.serve_checkpoint).name not in cfg.command:
+        raise QuantlabError(f"engine.command does not name {{checkpoint}} nor engine.serve_checkpoint="
+                            f"{cfg.serve_checkpoint}: the server would load what its command names, and the run "
+                            "(its cache entry, the sweep summary's pairing) would be recorded as that file",
+                            fix="write {checkpoint} where the command names the model file (--model {checkpoint})")
     if "checkpoint" in fields:
         if not cfg.serve_checkpoint:
             raise QuantlabError("engine.command names {checkpoint} but engine.serve_checkpoint is not set",
