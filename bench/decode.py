@@ -4,32 +4,43 @@ correctness of every captured path. Needs a CUDA GPU (FP8 formats: sm_89+); one 
 
     python bench/decode.py --check --out $OUT/decode.json
 
-Precisions: bf16 (the reference: the HF model itself), fp8, fp8_kv (fp8 + FP8 KV cache), int8_sq, int4_awq. The
-quantized models are exported the way the engine loads them - hf_quant_config.json + safetensors (weights quantized
-from the bf16 model's, static input scales from one calibration forward, SmoothQuant / AWQ pre_quant_scales of
-realistic magnitude) - and loaded by quantlab.engines.torch_engine.load_exported, so what is timed is what an
-evaluation runs. Per precision and batch: prefill ms and tokens/s; decode ms/token (median and spread over repeats
-of `--tokens` CUDA-graph replays), tokens/s; weight and KV bytes; the roofline (bytes a decode step reads / the
-device-to-device copy bandwidth measured here) and the fraction of it reached; ratios vs bf16.
-The timed decode runs the compiled layers (each row says compiled=True); the pipeline's generations and its speed
-section run the uncompiled cached decode (the report's speed section says so): --no-compile times that path.
+Precisions: bf16 (the reference: the HF model itself), fp8, fp8_kv (fp8 + FP8 KV cache), int8_sq, int4_awq. Where
+the quantized models come from (PROVENANCE, printed in the header and the summary, kept in the JSON): the bench's own
+helpers (calibrate, quantize_linear, export_all: round-to-nearest weights quantized from the bf16 model's, static
+input scales from one calibration forward, SmoothQuant / AWQ-shaped pre_quant_scales of realistic magnitude by a
+closed formula - no AWQ search), written as hf_quant_config.json + safetensors in the layout ModelOpt's HF export
+writes - not quantlab's pipeline, not ModelOpt - and loaded by quantlab.engines.torch_engine.load_exported, so the
+kernels timed are the ones an evaluation runs. Per precision and batch: prefill ms and tokens/s; decode ms/token
+(median and spread over repeats of `--tokens` CUDA-graph replays), tokens/s; weight and KV bytes; the roofline (bytes
+a decode step reads / the device-to-device copy bandwidth measured here) and the fraction of it reached; ratios vs
+bf16. The timed decode runs the compiled layers (each row says compiled=True); the pipeline's generations and its
+speed section run the uncompiled cached decode (the report's speed section says so): --no-compile times that path.
 
---check (each part in its own try block; a failure prints its traceback and the rest still runs):
-  families  every family of tests/conftest.py's matrix (tiny random models, fp32): the captured cached decode's
-            ids vs the full-sequence re-run, each captured step's logits vs the full forward's
-  int4      the Triton W4A16 kernels (k8 split-K and dense paths, and the export-layout fallback) vs their exact
-            arithmetic at the 8B shapes (bf16 and fp16)
-  attention the Triton decode-attention kernel vs its reference (bf16 and fp16; windows, soft-capping, E4M3 cache)
-            and its time at the 8B shape against the grouped sdpa it replaces
-  fp8_kv    the E4M3 cache layer vs fp8_qdq, bit for bit
-  model     per precision: the captured (and compiled) 8B decode vs the uncaptured one (ids) and vs the full
-            forward (logits), and a profile of one uncaptured step (kernels by time)
-Before the precisions are timed, the W4A16 sweep (--no-sweep skips it) times k8 configurations per decode shape
-(CUDA-graph replays over weight copies larger than L2), checks each one's output against the exact arithmetic,
-installs the fastest valid one in quantlab.engines.kernels.int4.CONFIGS for this run and prints the table to commit.
-After each precision's batches, the attribution times batch 1 again with the decode-attention kernel off and with
-the layers uncompiled (no inductor fusion), one switch at a time, in this process.
-Sections are skipped (and reported so) once --budget-s is spent.
+Order (so that a fresh machine's budget is spent on the headline first):
+  1. headline  every precision at the first batch, compiled (always), with --check its model check first:
+               model     the captured (and compiled) 8B decode vs the uncaptured one (ids) and vs the full forward
+                         (logits), and a profile of one uncaptured step (kernels by time)
+  2. extra     per precision the other batches (a batch starts only while 90 s of budget are left: skipped, never
+               timed uncompiled) and the batch-1 attribution: the decode-attention kernel off and the layers
+               uncompiled (no inductor fusion), one switch at a time, in this process
+  3. --check   (each part in its own try block; a failure prints its traceback and the rest still runs)
+     fp8_kv    the E4M3 cache layer vs fp8_qdq, bit for bit
+     int4      the Triton W4A16 kernels (k8 split-K and dense paths, and the export-layout fallback) vs their exact
+               arithmetic at the 8B shapes (bf16 and fp16)
+     attention the Triton decode-attention kernel vs its reference (bf16 and fp16; windows, soft-capping, E4M3
+               cache) and its time at the 8B shape against the grouped sdpa it replaces
+     families  every family of the tests' matrix (tests/_builders.py; tiny random models, fp32): the captured decode's
+               ids vs the full-sequence re-run, each captured step's logits vs the full forward's
+  4. sweep     (--no-sweep skips it) k8 W4A16 configurations per decode shape (CUDA-graph replays over weight copies
+               larger than L2), each checked against the exact arithmetic; the fastest valid one per shape makes the
+               sweep's table, printed to commit - never installed for the headline, which times the shipped
+               (committed) int4.CONFIGS; where the sweep's table differs, int4_awq at batch 1 is timed with it apart
+               ("sweep's best", beside the shipped figure)
+  5. --check   other formats (FP8 per-channel/per-token, W4A8-AWQ) on a small 2-layer model
+Sections are skipped once --budget-s is spent (default 480: a 600 s call on a fresh machine). Every table marks what
+is not what its column says: "*" layers uncompiled though compiling was asked (not comparable), "!" compiling failed
+(timed uncompiled), "--" not measured; ratios and attribution deltas between such rows are left out ("n/c", with the
+reason), and a target whose rows are not comparable says NOT MEASURED.
 """
 from __future__ import annotations
 
@@ -60,6 +71,7 @@ from quantlab.engines.kernels import device as kernel_device  # noqa: E402
 START = time.time()
 DEVICE = "cuda"  # --smoke: "cpu" (the script's own logic on tiny shapes, nothing timed that matters)
 RESULTS: dict = {"sections": {}, "skipped": [], "errors": {}}
+OUT_PATH: list[str] = []  # where main() writes RESULTS: after every section too (a run cut off keeps what it had)
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -67,6 +79,13 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                                  "original_max_position_embeddings": 8192})
 EXPORTS = {"fp8": "FP8", "fp8_kv": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int4_awq": "W4A16_AWQ",
            "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN", "w4a8_awq": "W4A8_AWQ"}
+# where the timed models come from (printed in the header, kept in the JSON): not quantlab's pipeline, not ModelOpt
+PROVENANCE = ("quantized by bench/decode.py's own helpers (calibrate: one 128-token forward of the random-weight "
+              "bf16 model for static input scales; quantize_linear: round-to-nearest weights from the bf16 weights, "
+              "SmoothQuant / AWQ-shaped pre_quant_scales by a closed formula, no AWQ search; export_all: "
+              "hf_quant_config.json + safetensors in the layout ModelOpt's HF export writes, producer "
+              "'bench/decode.py'), not by quantlab's pipeline nor by ModelOpt; loaded through quantlab's engine loader "
+              "(quantlab.engines.torch_engine.load_exported); bf16 is the HF model itself")
 SMALL = dict(vocab_size=4096, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2)
 GROUP = 128
 
@@ -96,7 +115,16 @@ def section(name: str, cost_s: float, budget_s: float):
             RESULTS["errors"][name] = tb[-4000:]
             say(f"FAILED {name}:\n{tb}")
             return None
+        finally:
+            save_results()
     return wrap
+
+
+def save_results() -> None:
+    """RESULTS as JSON where --out (or $OUT) asks; written after every section and at the end."""
+    if OUT_PATH:
+        Path(OUT_PATH[0]).parent.mkdir(parents=True, exist_ok=True)
+        Path(OUT_PATH[0]).write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
 def sync() -> None:
@@ -159,13 +187,17 @@ def environment() -> dict:
 
 # ------------------------------------------------------------------------------------------------ checks
 def family_configs() -> dict:
-    """tests/conftest.py's family matrix (its _family_configs function, read from the file: the bench needs no
-    pytest)."""
-    tree = ast.parse((REPO / "tests" / "conftest.py").read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_family_configs")
-    scope: dict = {}
-    exec(compile(ast.Module([fn], []), "conftest._family_configs", "exec"), scope)  # noqa: S102
-    return scope["_family_configs"]()
+    """The tests' family matrix (tests/_builders.py's family_configs, which tests/conftest.py re-exports; an older
+    tree's conftest._family_configs), read from the file: the bench needs no pytest."""
+    for file, name in (("_builders.py", "family_configs"), ("conftest.py", "_family_configs")):
+        path = REPO / "tests" / file
+        tree = ast.parse(path.read_text()) if path.is_file() else ast.Module([], [])
+        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        if fn is not None:
+            scope: dict = {}
+            exec(compile(ast.Module([fn], []), f"{path.stem}.{name}", "exec"), scope)  # noqa: S102
+            return scope[name]()
+    raise RuntimeError("tests/_builders.py has no family_configs (nor tests/conftest.py a _family_configs)")
 
 
 def check_families(new_tokens: int = 12, prompt: int = 20) -> dict:
@@ -450,8 +482,13 @@ def export_all(model, stats: dict, root: Path, precisions: list[str]) -> dict[st
         model.config.save_pretrained(out)
         (out / "shared.safetensors").symlink_to(shared)
         weights_dir = root / fmt
-        if prec == "fp8_kv":  # fp8's weights plus the KV scales
+        if prec == "fp8_kv" and (weights_dir / "linears.safetensors").is_file():  # fp8's weights (+ the KV scales)
             (out / "linears.safetensors").symlink_to(weights_dir / "linears.safetensors")
+        elif prec == "fp8_kv":  # no fp8 export in this run: its weights written here
+            save_file({k: v for name, stat in stats.items()
+                       for k, v in quantize_linear("fp8", model.get_submodule(name).weight.detach(), stat, name,
+                                                   False).items()}, str(out / "linears.safetensors"))
+        if prec == "fp8_kv":
             kv = {}
             for name, stat in stats.items():
                 if name.endswith(("k_proj", "v_proj")):
@@ -533,7 +570,11 @@ def profile_kernels(run) -> dict:
             "top": [{"kernel": k[:90], "us": round(t, 1), "count": c} for k, t, c in rows[:40]]}
 
 
-def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: dict | None) -> dict:
+def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: dict | None,
+                    batches: list[int] | None = None, headline: bool = True) -> dict:
+    """One precision's timed rows at `batches` (default: all of --batches). A headline row (the first batch) always
+    compiles its layers; an extra row is skipped - not timed uncompiled - once the budget no longer leaves the time
+    to compile it, and is recorded so in RESULTS["skipped"] and the tables."""
     model = engine.model
     sizes = model_bytes(model)
     head = engine.head_weights()[0]
@@ -541,22 +582,24 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
         p.data_ptr() for p in model.parameters()} else 0
     weights = sizes["weights"] + head_bytes
     read_weights = weights - sizes["embedding"]
-    out = {"weights_GB": weights / 1e9, "plan": getattr(engine, "plan", None), "batches": {}}
+    out = {"weights_GB": weights / 1e9, "plan": getattr(engine, "plan", None), "batches": {}, "skipped_batches": {}}
     kernels = (out["plan"] or {}).get("kernels", ["torch (bf16)"])
-    say(f"  {prec}: weights {weights / 1e9:.2f} GB ({read_weights / 1e9:.2f} GB read per decode step); "
-        f"kernels: {'; '.join(kernels)}")
+    if headline:
+        say(f"  {prec}: weights {weights / 1e9:.2f} GB ({read_weights / 1e9:.2f} GB read per decode step); "
+            f"kernels: {'; '.join(kernels)}")
     context = args.context
-    for batch in args.batches:
-        if elapsed() > args.budget_s - 20:
-            RESULTS["skipped"].append(f"{prec} batch {batch}")
-            say(f"  SKIP {prec} batch {batch}: budget")
+    for batch in (args.batches if batches is None else batches):
+        why = None if headline else extra_row_skip(elapsed(), args.budget_s, args.compile)
+        if why:
+            RESULTS["skipped"].append(f"{prec} batch {batch} ({why})")
+            out["skipped_batches"][batch] = why
+            say(f"  SKIP {prec} batch {batch}: {why}")
             continue
         row = {}
         prompts = torch.randint(0, model.config.vocab_size, (batch, context),
                                 generator=torch.Generator().manual_seed(batch)).to(DEVICE)
-        compile_here = args.compile and elapsed() < args.budget_s - 90
         dec = decode.Decoder(model, engine.head, engine.captured.take, batch, context + args.tokens + 2,
-                             capture=DEVICE == "cuda", compile=compile_here)
+                             capture=DEVICE == "cuda", compile=args.compile)
         try:
             if batch in args.prefill_batches:
                 dec.prefill(prompts)
@@ -569,7 +612,9 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
                     times.append((time.time() - t) * 1e3)
                 row["prefill_ms"] = statistics.median(times)
                 row["prefill_tokens_per_s"] = batch * context / (row["prefill_ms"] / 1e3)
-                if args.profile and batch == max(args.prefill_batches) and elapsed() < args.budget_s - 60:
+                # profiles after rows: one runs only while PROFILE_HEADROOM_S are left for the rows after it
+                if (args.profile and batch == max(args.prefill_batches)
+                        and elapsed() < args.budget_s - PROFILE_HEADROOM_S):
                     row["prefill_profile"] = profile_kernels(functools.partial(dec.prefill, prompts))
                     p = row["prefill_profile"]
                     say(f"    profile of one prefill at B={batch}: {p['kernels']} kernels, {p['gpu_us'] / 1e3:.1f} ms "
@@ -598,17 +643,13 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
             step_bytes = read_weights + kv  # the captured step reads the whole static cache under its mask
             row["roofline_ms"] = step_bytes / bandwidth * 1e3
             row["roofline_fraction"] = row["roofline_ms"] / row["decode_ms_per_token"]
-            if batch == args.batches[0] and args.profile and elapsed() < args.budget_s - 60:
+            if batch == args.batches[0] and args.profile and elapsed() < args.budget_s - 60:  # ~1 s
                 try:
                     row["profile"] = profile_step(dec)
                 except Exception:  # noqa: BLE001
                     row["profile"] = {"error": traceback.format_exc()[-1500:]}
             if reference_rows and batch in reference_rows:
-                ref = reference_rows[batch]
-                if ref.get("decode_ms_per_token"):
-                    row["decode_speedup_vs_bf16"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
-                if ref.get("prefill_ms") and row.get("prefill_ms"):
-                    row["prefill_speedup_vs_bf16"] = ref["prefill_ms"] / row["prefill_ms"]
+                row.update(vs_bf16(row, reference_rows[batch], args.compile))
         finally:
             dec.close()
             del dec
@@ -623,6 +664,7 @@ def bench_precision(prec: str, engine, args, bandwidth: float, reference_rows: d
                if "prefill_ms" in row else "")
             + (f", x{row['decode_speedup_vs_bf16']:.2f} decode vs bf16" if "decode_speedup_vs_bf16" in row else "")
             + (f", x{row['prefill_speedup_vs_bf16']:.2f} prefill" if "prefill_speedup_vs_bf16" in row else "")
+            + (f" (NOT COMPARABLE: {row['vs_bf16_not_comparable']})" if row.get("vs_bf16_not_comparable") else "")
             + f"; first step {row['first_step_s']:.1f}s captured={row['captured']} compiled={row['compiled']}"
             + (f" capture_error={row['capture_error']}" if row["capture_error"] else "")
             + (f" compile_error={row['compile_error']}" if row["compile_error"] else "")
@@ -722,6 +764,7 @@ def check_other_formats(args) -> dict:
     return out
 
 
+SWEEP_TABLE: dict = {}  # the sweep's table where it differs from the shipped int4.CONFIGS (int4_sweep fills it)
 SWEEP_SHAPES = ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))  # gate|up, down, q|k|v, o: most bytes first
 L2_BYTES = 200e6  # weights cycled per timing: more than the H200's L2 holds
 
@@ -788,7 +831,9 @@ def _sweep_config(t: dict, cfg: dict) -> tuple[float, str | None]:
         return float("inf"), f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
-def _sweep_shape(rows: int, n: int, k: int, g, bandwidth: float, deadline: float) -> dict:
+def _sweep_shape(rows: int, n: int, k: int, g, bandwidth: float, deadline: float, picks: dict) -> dict:
+    """One decode shape's sweep; its best valid configuration goes into `picks` where it beats the shipped one
+    (int4.CONFIGS itself is left as shipped: the headline rows time the committed table)."""
     from quantlab.engines.kernels import int4
 
     t = _sweep_tensors(rows, n, k, g)
@@ -807,39 +852,196 @@ def _sweep_shape(rows: int, n: int, k: int, g, bandwidth: float, deadline: float
                best_GBps=int4_bytes / (best["us"] / 1e6) / 1e9 if math.isfinite(best["us"]) else 0.0)
     out["best_fraction_of_copy"] = out["best_GBps"] * 1e9 / bandwidth
     if math.isfinite(best["us"]) and best["us"] <= out["k8_default_us"]:
-        int4.CONFIGS[(int4.m_bucket(rows), n, k)] = out["best_config"]
+        picks[(int4.m_bucket(rows), n, k)] = out["best_config"]
     return out
 
 
 def int4_sweep(bandwidth: float, deadline: float) -> dict:
     """k8 W4A16 configurations at the 8B decode shapes (q|k|v and gate|up fused widths), each checked for exactness
-    and timed from CUDA-graph replays over weight copies larger than L2; the fastest valid one per shape is installed
-    for this run (int4.CONFIGS) and printed as the table to commit. bf16 (cuBLAS), FP8 (torch._scaled_mm) and the
-    previous int4 kernels (export layout) at the same shapes for comparison."""
+    and timed from CUDA-graph replays over weight copies larger than L2; the fastest valid one per shape (where it
+    beats the shipped int4.CONFIGS entry, "shipped" below) makes the sweep's table, printed to commit and kept in
+    the results - never installed for this run's headline rows, which time the shipped table (sweep_timed times
+    int4_awq at batch 1 with the sweep's table, apart). bf16 (cuBLAS), FP8 (torch._scaled_mm) and the previous int4
+    kernels (export layout) at the same shapes for comparison."""
     from quantlab.engines.kernels import int4
 
     if not int4.k8_usable("cuda", torch.bfloat16):
         say("  k8 kernels failed their startup check: the engine runs the export-layout kernels; no sweep")
         return {"k8_usable": False}
-    out = {}
+    out, picks = {}, {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (1, 16):
         for n, k in SWEEP_SHAPES:
             key = f"M{rows}_N{n}_K{k}"
-            r = out[key] = _sweep_shape(rows, n, k, g, bandwidth, deadline)
+            r = out[key] = _sweep_shape(rows, n, k, g, bandwidth, deadline, picks)
             say(f"  {key:18s} bf16 {r['bf16_us']:6.1f}us fp8 {r['fp8_us']:6.1f}us | int4 export "
                 f"{r['export_us']:6.1f}us "
-                f"k8 default {r['k8_default_us']:6.1f}us best {r['best_us']:6.1f}us = {r['best_GBps']:.0f} GB/s "
+                f"k8 shipped {r['k8_default_us']:6.1f}us sweep's best {r['best_us']:6.1f}us = "
+                f"{r['best_GBps']:.0f} GB/s "
                 f"({100 * r['best_fraction_of_copy']:.0f}% of copy) {r['best_config']}")
             failed = [c for c in r["all"] if "error" in c]
             if failed:
                 say(f"    {len(failed)} configurations skipped, e.g. {failed[0]}")
             empty_cache()
-    table = {key: cfg for key, cfg in sorted(int4.CONFIGS.items())}
-    say("  int4.CONFIGS for this GPU (commit into quantlab/engines/kernels/int4/configs.py):")
+    table = dict(sorted({**int4.CONFIGS, **picks}.items()))
+    changed = sorted(key for key, cfg in picks.items() if int4.CONFIGS.get(key) != cfg)
+    say("  the sweep's int4.CONFIGS for this GPU (to commit into quantlab/engines/kernels/int4/configs.py; NOT "
+        "used by this run's headline rows, which time the shipped table); entries that differ from the shipped: "
+        + (", ".join(map(str, changed)) or "none"))
     print("CONFIGS = {\n" + "".join(f"    {key}: {cfg},\n" for key, cfg in table.items()) + "}", flush=True)
     out["configs"] = {str(key): cfg for key, cfg in table.items()}
+    out["differs_from_shipped"] = [str(key) for key in changed]
+    SWEEP_TABLE.clear()
+    if changed:  # the table sweep_timed times int4_awq with (nothing to time where it is the shipped one)
+        SWEEP_TABLE.update(table)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ marks
+# Every table marks a figure that is not what its column says: "*" layers not compiled although compiling was asked
+# (the budget: not comparable), "!" compiling failed (timed uncompiled: the engine's own result), "-" not measured;
+# a ratio or delta between rows of which one is "*" or "-" is left out ("n/c"), with the reason in the JSON.
+PROFILE_HEADROOM_S = 150.0  # a prefill profile (~8 s) runs only while this much budget is left for the rows after it
+COMPILE_HEADROOM_S = 90.0  # an extra row (after the headline) starts only while this much is left: compiled, or not
+MARKS = {"*": "layers not compiled although compiling was asked (the budget ran out): not comparable",
+         "!": "compiling the layers failed (compile_error in the row): timed uncompiled, the engine's own result",
+         "-": "not measured (skipped for the budget, or the section failed: see 'skipped' / 'errors')"}
+
+
+def extra_row_skip(elapsed_s: float, budget_s: float, compile_requested: bool) -> str | None:
+    """Why an extra row (a batch after the headline one) is not started, or None: it is skipped rather than timed
+    uncompiled once the budget no longer leaves COMPILE_HEADROOM_S to compile and time it."""
+    left = budget_s - elapsed_s
+    if left < 20:
+        return f"budget: {left:.0f}s left"
+    if compile_requested and left < COMPILE_HEADROOM_S:
+        return f"budget: {left:.0f}s left, too little to compile the layers (it would run uncompiled)"
+    return None
+
+
+def row_mark(row: dict | None, compile_requested: bool) -> tuple[str, str | None]:
+    """The mark of one timed row (decode and prefill alike: the prefill runs the same layers) and why: "" (timed as
+    asked), "!" , "*" or "-" (MARKS)."""
+    if not row or row.get("decode_ms_per_token") is None:
+        return "-", MARKS["-"]
+    if row.get("compile_error"):
+        return "!", MARKS["!"]
+    if compile_requested and row.get("compiled") is False:
+        return "*", MARKS["*"]
+    return "", None
+
+
+def comparable(rows: list[dict | None], compile_requested: bool) -> str | None:
+    """None where every row may be compared with the others, else why not (the first bad row's mark)."""
+    for row in rows:
+        mark, why = row_mark(row, compile_requested)
+        if mark in ("*", "-"):
+            return why
+    return None
+
+
+def vs_bf16(row: dict, ref: dict | None, compile_requested: bool) -> dict:
+    """A row's decode and prefill speedups against the bf16 row of its batch, only where both rows are comparable
+    (else vs_bf16_not_comparable says why and no speedup is given)."""
+    why = comparable([row, ref], compile_requested)
+    if why:
+        return {"vs_bf16_not_comparable": why}
+    out = {"vs_bf16_not_comparable": None, "decode_speedup_vs_bf16": ref["decode_ms_per_token"]
+           / row["decode_ms_per_token"]}
+    if ref.get("prefill_ms") and row.get("prefill_ms"):
+        out["prefill_speedup_vs_bf16"] = ref["prefill_ms"] / row["prefill_ms"]
+    return out
+
+
+def attribution_delta(out: dict, variant: dict) -> tuple[float | None, str | None]:
+    """(variant ms - default ms, None), or (None, why the delta is left out): the default row must have run as asked
+    (compiled where compiling was asked) and the variant as the attribution says (compiled unless it is the
+    uncompiled switch); a delta between a compiled and an uncompiled row is otherwise no attribution."""
+    if out.get("default_ms") is None:
+        return None, "the default row was not measured"
+    if out.get("default_compile_error"):
+        return None, "the default row's compile failed (timed uncompiled)"
+    if out.get("compile_requested") and out.get("default_compiled") is False:
+        return None, "the default row ran uncompiled (budget)"
+    if "ms" not in variant:
+        return None, "this variant failed"
+    if variant.get("compiled") != variant.get("expected_compiled"):
+        return None, (f"this variant ran {'compiled' if variant.get('compiled') else 'uncompiled'}, the attribution "
+                      f"asks {'compiled' if variant.get('expected_compiled') else 'uncompiled'}")
+    return variant["ms"] - out["default_ms"], None
+
+
+def attribution_cells(out: dict) -> list[str]:
+    """The default cell and one per ATTRIBUTION variant: ms (and the delta where attribution_delta gives one; "n/c"
+    with a mark where it does not)."""
+    default = out.get("default_ms")
+    mark = ("!" if out.get("default_compile_error") else
+            "*" if out.get("compile_requested") and out.get("default_compiled") is False else "")
+    cells = [f"{default:.3f}{mark}" if default is not None else "-- (not measured)"]
+    for name, _, _ in ATTRIBUTION:
+        r = out.get(name) or {}
+        if "ms" not in r:
+            cells.append("FAILED" if "error" in r else "--")
+            continue
+        delta, why = attribution_delta(out, r)
+        cells.append(f"{r['ms']:.3f} ({delta:+.3f})" if delta is not None else f"{r['ms']:.3f} (n/c: {why})")
+    return cells
+
+
+def _decode_cell(row: dict | None, ref: dict | None, bf16: bool, compile_requested: bool) -> tuple[str, str]:
+    """One batch's cell of the decode table and its mark."""
+    mark, _ = row_mark(row, compile_requested)
+    if mark == "-":
+        return "|     --  (not measured)  ", mark
+    x = "  1.00" if bf16 and not mark else ("   n/c" if comparable([row, ref], compile_requested)
+                                            else f" {ref['decode_ms_per_token'] / row['decode_ms_per_token']:5.2f}")
+    return f"| {row['decode_ms_per_token']:8.3f}{mark or ' '}{x} {100 * row['roofline_fraction']:4.0f}  ", mark
+
+
+def _prefill_cell(row: dict | None, ref: dict | None, bf16: bool, compile_requested: bool) -> str:
+    if not row or not row.get("prefill_ms"):
+        return "--"
+    mark, _ = row_mark(row, compile_requested)
+    if comparable([row, ref], compile_requested):
+        return f"n/c{mark}"
+    return ("1.00" if bf16 else f"{ref['prefill_ms'] / row['prefill_ms']:.2f}") + mark
+
+
+def decode_table(rows: dict, batches: list[int], prefill_batches: list[int], compile_requested: bool) -> list[str]:
+    """The summary's table (rows: precision -> batch -> timed row; bf16 the reference): decode ms/token, speedup vs
+    bf16 and share of the roofline per batch, prefill speedups; every cell marked (MARKS), ratios of rows that are
+    not comparable left out ("n/c"); the footnotes of the marks used."""
+    lines = [("precision " + "".join(f"| B={b:<3d} ms/tok   x     %  " for b in batches)
+              + f"| prefill x vs bf16 (B={','.join(map(str, prefill_batches))})")]
+    ref_rows, used = rows.get("bf16", {}), set()
+    for p, by_batch in rows.items():
+        cells = ""
+        for b in batches:
+            cell, mark = _decode_cell(by_batch.get(b), ref_rows.get(b), p == "bf16", compile_requested)
+            cells += cell
+            used.add(mark)
+        pre = []
+        for b in prefill_batches:
+            pre.append(_prefill_cell(by_batch.get(b), ref_rows.get(b), p == "bf16", compile_requested))
+            used.update(m for m in "*!" if pre[-1].endswith(m))
+        lines.append(f"{p:9s} {cells}| {' '.join(pre)}")
+    lines += [f"  {m} {MARKS[m]}" for m in "*!-" if m in used]
+    if any("n/c" in line for line in lines[1:]):
+        lines.append("  n/c: a ratio between rows of which one is starred or not measured: left out")
+    return lines
+
+
+def target_line(name: str, value: float | None, goal: float, parts: list[dict | None],
+                compile_requested: bool) -> tuple[dict, str]:
+    """A target's JSON entry and printed line: MET / MISS from comparable rows only, else NOT MEASURED and why (no
+    figure of a row that is not what the target asks)."""
+    why = comparable(parts, compile_requested)
+    if why or value is None:
+        why = ("a row it needs ran uncompiled (budget): not comparable" if why == MARKS["*"] else
+               "a row it needs was not measured (skipped or failed: see 'skipped' / 'errors')")
+        return {"value": None, "met": None, "not_measured": why}, f"  target {name:36s} NOT MEASURED ({why})"
+    met = value >= goal
+    return {"value": value, "met": met}, f"  target {name:36s} {'MET ' if met else 'MISS'} ({value:.2f})"
 
 
 # ------------------------------------------------------------------------------------------------ attribution
@@ -869,15 +1071,20 @@ def _decode_ms(engine, args, compile_layers: bool) -> tuple[float, dict]:
         empty_cache()
 
 
-def attribution(prec: str, engine, args, base_ms: float | None) -> dict:
-    """Batch 1 with one switch off at a time (decode.FEATURES, layer compilation), against the timed default."""
-    out = {"default_ms": base_ms}
+def attribution(prec: str, engine, args, base: dict | None) -> dict:
+    """Batch 1 with one switch off at a time (decode.FEATURES, layer compilation), against the timed default row
+    (`base`, the headline row of this precision); a delta only where both sides ran as the table says
+    (attribution_delta), else the reason it is left out."""
+    base = base or {}
+    out = {"default_ms": base.get("decode_ms_per_token"), "default_compiled": base.get("compiled"),
+           "default_compile_error": base.get("compile_error"), "compile_requested": args.compile}
     for name, features, compile_layers in ATTRIBUTION:
         saved = dict(decode.FEATURES)
         decode.FEATURES.update(features)
         try:
             ms, info = _decode_ms(engine, args, compile_layers and args.compile)
-            out[name] = {"ms": ms, "attention": info["attention"], "compiled": info["compiled"]}
+            out[name] = {"ms": ms, "attention": info["attention"], "compiled": info["compiled"],
+                         "expected_compiled": compile_layers and args.compile}
         except Exception:  # noqa: BLE001
             out[name] = {"error": traceback.format_exc()[-1500:]}
         finally:
@@ -885,9 +1092,11 @@ def attribution(prec: str, engine, args, base_ms: float | None) -> dict:
             decode.FEATURES.update(saved)
             torch._dynamo.reset()
             decode._COMPILED.clear()
-    parts = [f"{name} {r['ms']:.3f} ms" + (f" (+{r['ms'] - base_ms:.3f})" if base_ms else "")
-             if "ms" in r else f"{name} FAILED" for name, r in out.items() if name != "default_ms"]
-    say(f"  attribution {prec} B=1: default {base_ms or math.nan:.3f} ms; " + "; ".join(parts))
+    for name, _, _ in ATTRIBUTION:
+        out[name]["delta_ms"], out[name]["delta_left_out"] = attribution_delta(out, out[name])
+    cells = attribution_cells(out)
+    say(f"  attribution {prec} B=1: default {cells[0]} ms; "
+        + "; ".join(f"{name} {cell}" for (name, _, _), cell in zip(ATTRIBUTION, cells[1:], strict=True)))
     return out
 
 
@@ -911,8 +1120,9 @@ def parse_args():
     parser.add_argument("--no-attribution", dest="attribution", action="store_false",
                         help="skip timing batch 1 with each switch off")
     parser.add_argument("--attribution-precisions", default="bf16,int4_awq,fp8,fp8_kv")
-    parser.add_argument("--budget-s", type=float, default=470.0,
-                        help="stop starting sections after this (a batch compiles its layers while 90 s are left)")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="stop starting sections after this (fits a 600 s call on a fresh machine; the headline "
+                        "rows come first and always compile, a later batch starts only while 90 s are left)")
     parser.add_argument("--workdir", default=None, help="where the exports are written (default: /dev/shm or tmp)")
     parser.add_argument("--out", default=None, help="JSON results (default: $OUT/decode.json when OUT is set)")
     parser.add_argument("--smoke", action="store_true",
@@ -927,11 +1137,11 @@ def parse_args():
 def run_checks(args, budget: float) -> None:
     section("check_fp8_kv", 2, budget)(check_fp8_kv)
     if DEVICE == "cuda":
-        section("check_int4_kernels", 15, budget)(check_int4)
+        section("check_int4_kernels", 50, budget)(check_int4)
         section("check_attention", 15, budget)(check_attention)
-    section("check_families", 40, budget)(check_families)
+    section("check_families", 20, budget)(check_families)
     if args.compile:
-        section("check_compiled_tiny", 30, budget)(check_compiled_tiny)
+        section("check_compiled_tiny", 15, budget)(check_compiled_tiny)
 
 
 def export_models(args, reference, precisions: list[str], budget: float) -> tuple[dict, Path | None]:
@@ -948,8 +1158,14 @@ def export_models(args, reference, precisions: list[str], budget: float) -> tupl
     return section("export", 60, budget)(do_export) or {}, workroot
 
 
-def bench_one(prec: str, engine, args, bandwidth: float, reference_rows: dict | None) -> dict:
-    """The checks of one precision's model, its batches, and the batch-1 attribution."""
+def _reset_compiled() -> None:
+    torch._dynamo.reset()
+    decode._COMPILED.clear()
+    empty_cache()
+
+
+def bench_headline(prec: str, engine, args, bandwidth: float, reference_rows: dict) -> dict:
+    """The headline of one precision: the checks of its model (--check) and its first batch, compiled."""
     out = {}
     if args.check:
         try:
@@ -957,43 +1173,104 @@ def bench_one(prec: str, engine, args, bandwidth: float, reference_rows: dict | 
         except Exception:  # noqa: BLE001
             out["check"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
             say(f"  check {prec} FAILED\n{out['check']['error']}")
-    out.update(bench_precision(prec, engine, args, bandwidth, reference_rows))
-    if args.attribution and prec in args.attribution_precisions and elapsed() < args.budget_s - 40:
-        base = out["batches"].get(1, {}).get("decode_ms_per_token")
-        out["attribution"] = attribution(prec, engine, args, base)
+    out.update(bench_precision(prec, engine, args, bandwidth, reference_rows, args.batches[:1], headline=True))
     return out
 
 
-def bench_all(args, shape: dict, precisions: list[str], bandwidth: float, budget: float) -> None:
+def bench_more(prec: str, engine, args, bandwidth: float, reference_rows: dict) -> dict:
+    """The rest of one precision: the batches after the first (each skipped, not timed uncompiled, once the budget is
+    short) and the batch-1 attribution against the headline row."""
+    out = bench_precision(prec, engine, args, bandwidth, reference_rows, args.batches[1:], headline=False)
+    if args.attribution and prec in args.attribution_precisions:
+        if elapsed() < args.budget_s - 40:
+            base = RESULTS["sections"][f"bench_{prec}"]["batches"].get(1)  # the attribution times batch 1
+            out["attribution"] = attribution(prec, engine, args, base)
+        else:
+            RESULTS["skipped"].append(f"attribution {prec} (budget)")
+    return out
+
+
+def _merge_more(prec: str, res: dict | None, args) -> None:
+    """The extra pass's rows into the precision's section (the JSON keeps one bench_<precision> entry)."""
+    main_res = RESULTS["sections"][f"bench_{prec}"]
+    RESULTS["sections"].pop(f"bench_{prec}_more", None)
+    if res is None:  # the section was skipped or failed: every extra row says so
+        for b in args.batches[1:]:
+            main_res["skipped_batches"].setdefault(b, "the extra pass was skipped (budget) or failed")
+        return
+    main_res["batches"].update(res["batches"])
+    main_res["skipped_batches"].update(res["skipped_batches"])
+    if "attribution" in res:
+        main_res["attribution"] = res["attribution"]
+
+
+def bench_all(args, shape: dict, precisions: list[str], bandwidth: float, budget: float) -> tuple[dict, Path | None]:
+    """The headline pass (every precision at its first batch, compiled, with its model check), then the extra pass
+    (the other batches and the attribution, skipped first when the budget runs short). The engines stay loaded
+    between the passes. Returns the export directories and their root (removed by the caller)."""
     reference = section("build_bf16", 15, budget)(functools.partial(build_reference, args.layers, shape))
     export_dirs, workroot = export_models(args, reference, precisions, budget)
-    reference_rows = None
+    reference_rows: dict = {}
+    engines = {}
     for prec in precisions:
-        if prec != "bf16" and prec not in export_dirs:
-            RESULTS["skipped"].append(f"bench {prec} (no export)")
+        if (reference is None) if prec == "bf16" else (prec not in export_dirs):
+            RESULTS["skipped"].append(f"bench {prec} (no {'model' if prec == 'bf16' else 'export'})")
             continue
 
-        def run(prec=prec, reference=reference, reference_rows=reference_rows):
-            engine = engine_for(prec, reference, {k: Path(v) for k, v in export_dirs.items()})
-            try:
-                return bench_one(prec, engine, args, bandwidth, reference_rows)
-            finally:
-                if prec != "bf16":
-                    engine.close()
-                del engine
-                torch._dynamo.reset()
-                decode._COMPILED.clear()
-                empty_cache()
-        res = section(f"bench_{prec}", 45, budget)(run)
-        del run
-        if prec == "bf16":
-            reference_rows = res["batches"] if res else None
-            if reference is not None:
-                del reference
-                reference = None
-                empty_cache()
-    if workroot is not None:
-        shutil.rmtree(workroot, ignore_errors=True)
+        def headline(prec=prec):  # reference: the enclosing variable (set to None below, so nothing keeps it)
+            engines[prec] = engine_for(prec, reference, {k: Path(v) for k, v in export_dirs.items()})
+            return bench_headline(prec, engines[prec], args, bandwidth, reference_rows)
+        res = section(f"bench_{prec}", 45, budget)(headline)
+        _reset_compiled()
+        if res and prec == "bf16":
+            reference_rows.update(res["batches"])
+    reference = None  # the bf16 engine keeps the model until its extra pass is done
+    for prec in list(engines):
+        engine = engines.pop(prec)
+        extra = args.batches[1:] or (args.attribution and prec in args.attribution_precisions)
+        if extra and f"bench_{prec}" in RESULTS["sections"]:
+            more = functools.partial(bench_more, prec, engine, args, bandwidth, reference_rows)
+            _merge_more(prec, section(f"bench_{prec}_more", 30, budget)(more), args)
+            if prec == "bf16":
+                reference_rows.update(RESULTS["sections"]["bench_bf16"]["batches"])
+        if prec != "bf16":
+            engine.close()
+        del engine
+        _reset_compiled()
+    return export_dirs, workroot
+
+
+def sweep_timed(args, export_dirs: dict) -> dict:
+    """int4_awq at the first batch with the sweep's table installed (a fresh engine: kernels are chosen at load),
+    beside the headline row timed with the shipped int4.CONFIGS; the shipped table is put back after."""
+    from quantlab.engines.kernels import int4
+
+    shipped = dict(int4.CONFIGS)
+    int4.CONFIGS.update(SWEEP_TABLE)
+    try:
+        engine = engine_for("int4_awq", None, {"int4_awq": Path(export_dirs["int4_awq"])})
+        try:
+            ms, info = _decode_ms(engine, args, args.compile)
+        finally:
+            engine.close()
+            del engine
+            _reset_compiled()
+    finally:
+        int4.CONFIGS.clear()
+        int4.CONFIGS.update(shipped)
+    b1 = 1  # _decode_ms times batch 1
+    head = (RESULTS["sections"].get("bench_int4_awq") or {}).get("batches", {}).get(b1)
+    ref = (RESULTS["sections"].get("bench_bf16") or {}).get("batches", {}).get(b1)
+    row = {"decode_ms_per_token": ms, "compiled": info["compiled"], "compile_error": info["compile_error"],
+           "configs": {str(k): v for k, v in SWEEP_TABLE.items()}}
+    row.update(vs_bf16(row, ref, args.compile))
+    shipped_x = (head or {}).get("decode_speedup_vs_bf16")
+    say(f"  int4_awq B={b1} with the sweep's configs: {ms:.3f} ms/token, "
+        + (f"x{row['decode_speedup_vs_bf16']:.2f} vs bf16" if "decode_speedup_vs_bf16" in row
+           else f"n/c ({row['vs_bf16_not_comparable']})")
+        + f"; the headline (shipped configs): {(head or {}).get('decode_ms_per_token') or math.nan:.3f} ms, "
+        + (f"x{shipped_x:.2f}" if shipped_x else "n/c") + f"; compiled={info['compiled']}")
+    return row
 
 
 def main() -> int:
@@ -1010,92 +1287,106 @@ def main() -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench/decode.py needs a CUDA GPU (or --smoke)")
         return 2
+    from quantlab.engines.kernels import int4
+
     RESULTS["args"] = vars(args)
+    OUT_PATH[:] = [out_path] if out_path else []
+    RESULTS["provenance"] = PROVENANCE
+    RESULTS["int4_configs_timed"] = {str(k): v for k, v in sorted(int4.CONFIGS.items())}  # the shipped table
     budget = args.budget_s
+    say(f"models: {PROVENANCE}")
+    say("order: every precision's headline row (batch 1, compiled) first, then the other batches and the "
+        "attribution, then the checks, the W4A16 sweep and the other formats; what the budget skips is listed")
 
     env = section("environment", 5, budget)(environment) or {}
     bandwidth = env.get("copy_bandwidth_GBps", 4000) * 1e9
+    export_dirs, workroot = bench_all(args, shape, precisions, bandwidth, budget)
+    RESULTS["int4_configs_timed_are_shipped"] = RESULTS["int4_configs_timed"] == {
+        str(k): v for k, v in sorted(int4.CONFIGS.items())}  # nothing changed the table while the rows were timed
     if args.check:
         run_checks(args, budget)
     if args.sweep and DEVICE == "cuda" and "int4_awq" in precisions:
-        section("int4_sweep", 60, budget)(functools.partial(int4_sweep, bandwidth, time.time() + args.sweep_s))
-    bench_all(args, shape, precisions, bandwidth, budget)
+        deadline = time.time() + max(10.0, min(args.sweep_s, budget - elapsed() - 45))
+        section("int4_sweep", 45, budget)(functools.partial(int4_sweep, bandwidth, deadline))
+        if SWEEP_TABLE and "int4_awq" in export_dirs:
+            section("int4_sweep_timed", 35, budget)(functools.partial(sweep_timed, args, export_dirs))
+    if workroot is not None:
+        shutil.rmtree(workroot, ignore_errors=True)
     if args.check:
-        section("check_other_formats", 40, budget + 20)(functools.partial(check_other_formats, args))
+        section("check_other_formats", 25, budget)(functools.partial(check_other_formats, args))
 
     summary(precisions, args)
     if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(RESULTS, indent=1, default=str))
+        save_results()
         say(f"results -> {out_path}")
     return 0 if not RESULTS["errors"] else 1
 
 
-def summary_extras(precisions) -> None:
-    """The batch-1 attribution table and the W4A16 sweep's best kernels per shape."""
+def summary_extras(precisions, args) -> None:
+    """The batch-1 attribution table (deltas only between rows that ran as the table says) and the W4A16 sweep's
+    best kernels per shape beside the shipped ones."""
     names = [name for name, _, _ in ATTRIBUTION]
     rows = {p: (RESULTS["sections"].get(f"bench_{p}") or {}).get("attribution") for p in precisions}
     if any(rows.values()):
-        print("  attribution, B=1 decode ms/token (one switch off at a time): precision | default | "
-              + " | ".join(names))
+        print("  attribution, B=1 decode ms/token (one switch off at a time; (+delta) vs the "
+              "default; n/c: no delta, why): precision | default | " + " | ".join(names))
         for p, r in rows.items():
             if r:
-                cells = " | ".join(f"{r[n]['ms']:.3f}" if "ms" in r.get(n, {}) else "--" for n in names)
-                print(f"    {p:9s} | {r['default_ms'] or math.nan:.3f} | {cells}")
+                print(f"    {p:9s} | " + " | ".join(attribution_cells(r)))
+        missing = [p for p in args.attribution_precisions if p in precisions and not rows.get(p)]
+        if args.attribution and missing:
+            print(f"    not measured (budget or a failed section): {', '.join(missing)}")
     sweep = RESULTS["sections"].get("int4_sweep") or {}
     for key, r in sweep.items():
         if isinstance(r, dict) and "best_us" in r:
-            print(f"  int4 {key:18s} export {r['export_us']:6.1f}us -> k8 {r['best_us']:6.1f}us "
-                  f"({r['best_GBps']:.0f} GB/s, {100 * r['best_fraction_of_copy']:.0f}% of copy; "
-                  f"bf16 {r['bf16_us']:.1f}us, fp8 {r['fp8_us']:.1f}us)")
+            print(f"  int4 {key:18s} export {r['export_us']:6.1f}us, k8 shipped {r['k8_default_us']:6.1f}us, "
+                  f"sweep's best {r['best_us']:6.1f}us ({r['best_GBps']:.0f} GB/s, "
+                  f"{100 * r['best_fraction_of_copy']:.0f}% of copy; bf16 {r['bf16_us']:.1f}us, "
+                  f"fp8 {r['fp8_us']:.1f}us)")
+    if sweep.get("configs"):
+        print("  the sweep's table differs from the shipped int4.CONFIGS at: "
+              + (", ".join(sweep.get("differs_from_shipped", [])) or "nothing"))
+    timed = RESULTS["sections"].get("int4_sweep_timed")
+    if timed:
+        mark, _ = row_mark(timed, args.compile)
+        x = timed.get("decode_speedup_vs_bf16")
+        print(f"  int4_awq B=1 with the sweep's best configs (not the headline): "
+              f"{timed['decode_ms_per_token']:.3f}{mark} ms/token, " + (f"x{x:.2f} vs bf16" if x else "n/c"))
+    if "int4_awq" in precisions:
+        print("  INT4 headline rows timed with the shipped int4.CONFIGS: "
+              + ("yes" if RESULTS.get("int4_configs_timed_are_shipped") else "NO (the table changed during the run)"))
 
 
 def summary(precisions, args) -> None:
     """The compact table, and the targets of the issue at batch 1."""
     say("== summary (decode ms/token; x = speedup vs bf16; % = of the measured-bandwidth roofline)")
     rows = {p: (RESULTS["sections"].get(f"bench_{p}") or {}).get("batches", {}) for p in precisions}
-    header = ("precision " + "".join(f"| B={b:<3d} ms/tok   x     %  " for b in args.batches)
-              + f"| prefill x vs bf16 (B={','.join(map(str, args.prefill_batches))})")
-    print(header)
-    for p in precisions:
-        cells = ""
-        for b in args.batches:
-            r = rows[p].get(b, {})
-            ms = r.get("decode_ms_per_token")
-            mark = ("!" if r.get("compile_error") else "*") if args.compile and r.get("compiled") is False else " "
-            cells += (f"| {ms:8.3f}{mark}{r.get('decode_speedup_vs_bf16', 1.0 if p == 'bf16' else math.nan):5.2f} "
-                      f"{100 * r.get('roofline_fraction', math.nan):4.0f}  " if ms else "|     --                  ")
-        pre = " ".join(f"{rows[p].get(b, {}).get('prefill_speedup_vs_bf16', 1.0 if p == 'bf16' else math.nan):.2f}"
-                       for b in args.prefill_batches)
-        print(f"{p:9s} {cells}| {pre}")
-    batches = sorted(set(args.batches) | set(args.prefill_batches))
-    uncompiled = {(p, b) for p in precisions for b in batches  # skipped for the budget (a failure is a result)
-                  if args.compile and rows[p].get(b, {}).get("compiled") is False
-                  and not rows[p].get(b, {}).get("compile_error")}
-    if uncompiled:
-        print("  * layers not compiled (the budget ran out before this batch: raise --budget-s); not comparable")
-    if any(r.get("compile_error") for p in precisions for r in rows[p].values()):
-        print("  ! compiling the layers failed (compile_error in the row): measured uncompiled")
+    for p, r in rows.items():  # the ratios again from the final rows (bf16's later batches came after some rows)
+        for b, row in r.items():
+            row["mark"], row["mark_reason"] = row_mark(row, args.compile)  # the JSON's copy of the tables' marks
+            if p != "bf16":
+                for key in ("decode_speedup_vs_bf16", "prefill_speedup_vs_bf16"):
+                    row.pop(key, None)
+                row.update(vs_bf16(row, rows.get("bf16", {}).get(b), args.compile))
+    for line in decode_table(rows, args.batches, args.prefill_batches, args.compile):
+        print(line)
+    print(f"  models: {PROVENANCE}")
     b1 = args.batches[0]
-    get = lambda p, k: rows.get(p, {}).get(b1, {}).get(k)  # noqa: E731
-    targets = [("bf16 decode >= 50% of roofline", get("bf16", "roofline_fraction"), 0.5, {("bf16", b1)}),
-               ("fp8 decode >= 1.6x bf16", get("fp8", "decode_speedup_vs_bf16"), 1.6, {("fp8", b1), ("bf16", b1)}),
+    get = lambda p, k, b=b1: rows.get(p, {}).get(b, {}).get(k)  # noqa: E731
+    part = lambda p, b=b1: rows.get(p, {}).get(b)  # noqa: E731
+    targets = [("bf16 decode >= 50% of roofline", get("bf16", "roofline_fraction"), 0.5, [part("bf16")]),
+               ("fp8 decode >= 1.6x bf16", get("fp8", "decode_speedup_vs_bf16"), 1.6, [part("fp8"), part("bf16")]),
                ("int4_awq decode >= 2.5x bf16", get("int4_awq", "decode_speedup_vs_bf16"), 2.5,
-                {("int4_awq", b1), ("bf16", b1)}),
+                [part("int4_awq"), part("bf16")]),
                ("int8_sq decode >= 1.0x bf16", get("int8_sq", "decode_speedup_vs_bf16"), 1.0,
-                {("int8_sq", b1), ("bf16", b1)}),
-               ("fp8 prefill >= 1.4x bf16 (B=16)",
-                rows.get("fp8", {}).get(16, {}).get("prefill_speedup_vs_bf16"), 1.4, {("fp8", 16), ("bf16", 16)})]
+                [part("int8_sq"), part("bf16")]),
+               ("fp8 prefill >= 1.4x bf16 (B=16)", get("fp8", "prefill_speedup_vs_bf16", 16), 1.4,
+                [part("fp8", 16), part("bf16", 16)])]
     RESULTS["targets"] = {}
     for name, value, goal, parts in targets:
-        if parts & uncompiled:  # measured with the layers uncompiled: no verdict
-            RESULTS["targets"][name] = {"value": value, "met": None, "uncompiled": True}
-            print(f"  target {name:36s} NOT MEASURED (layers uncompiled: budget)")
-            continue
-        met = value is not None and value >= goal
-        RESULTS["targets"][name] = {"value": value, "met": met}
-        print(f"  target {name:36s} {'MET ' if met else 'MISS'} ({'--' if value is None else f'{value:.2f}'})")
-    summary_extras(precisions)
+        RESULTS["targets"][name], line = target_line(name, value, goal, parts, args.compile)
+        print(line)
+    summary_extras(precisions, args)
     checks = {k: v for k, v in RESULTS["sections"].items() if k.startswith("check")}
     for k, v in checks.items():
         ok = None

@@ -50,7 +50,7 @@ def m_bucket(m: int) -> int:
     return 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
-# (row class, N, K) -> configuration; bench/decode.py --check's sweep fills it for the run and prints it to commit.
+# (row class, N, K) -> configuration; bench/decode.py's sweep prints its table to commit (its timed rows use this one).
 # One row at the Llama-3.1-8B shapes (fused q|k|v and gate|up): the tensor-core kernel (gate|up its bulk-copy
 # variant), the sweep's table from the H200 runs bench/results/h200-2026-12-02/mma7_tiled_decode.log and
 # mma9_tma_decode.log (where that kernel cannot run, k8_launch takes the one-row Triton kernel's default instead).
