@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -43,6 +43,9 @@ class EmbeddedModel:
     # assemble(path), sha256-checked against its EXPECTED_SHA256): assembled into a temporary file for the one
     # conversion, keyed by that sha256
     parts: int = 0
+    # the converted model's shape (config.json's names, and its parameter count): what the plan prices a run at
+    # on a machine that has not converted it yet (quantlab.prior); checked against the conversion by the tests
+    shape: Optional[Dict[str, int]] = None
 
 
 # accelerate's placement strategies, accepted by model.device_map (calibration, reference, fake-quant, torch engine)

@@ -31,13 +31,16 @@ def machine_id() -> str:
 
 
 def work(device: str, variant: str, params: int | None = None, size: int | None = None,
-         passes: float | None = None) -> dict:
-    """What a build's time depends on: device, variant (precision, engine), parameters, size (tokens or bytes) and,
-    for calibration, its a-priori cost in plain forward passes (calibration_passes), which lets one precision's
-    builds predict another's."""
+         passes: float | None = None, units: dict | None = None) -> dict:
+    """What a build's time depends on: device, variant (precision, engine), parameters, size (tokens or bytes),
+    for calibration its a-priori cost in plain forward passes (calibration_passes), which lets one precision's
+    builds predict another's, and its work in machine units (quantlab.prior), which predicts a build on a machine
+    that has none yet and scales one model's builds to another's."""
     out = {"device": device, "variant": variant, "params": params, "size": size}
     if passes is not None:
         out["passes"] = round(passes, 3)
+    if units:
+        out["units"] = units
     return out
 
 
@@ -141,8 +144,10 @@ def _scale(entry: dict, want: dict) -> float:
     return entry["wall_time_s"] * size * params * passes
 
 
-def estimate(history: list[dict], stage: str, want: dict, machine: str | None = None) -> Estimate:
-    """Predict the wall time of building `stage` with `want` (a work() dict) from earlier cost records."""
+def estimate(history: list[dict], stage: str, want: dict, machine: str | None = None,
+             speed: dict | None = None) -> Estimate:
+    """Predict the wall time of building `stage` with `want` (a work() dict) from earlier cost records; with none,
+    from the build's work units at this machine's measured speed (quantlab.prior), when both are known."""
     machine = machine or machine_id()
     same = [c for c in history if c.get("stage") == stage and c.get("machine") == machine
             and c.get("device") == want.get("device") and isinstance(c.get("wall_time_s"), (int, float))]
@@ -158,9 +163,43 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
     else:
         pool, how, rough = same, "of other variants", True
     if not pool:
-        return Estimate(None, "no earlier build on this machine")
+        return _apriori(stage, want, speed)
+    if speed and want.get("units") and not any(c.get("params") == want.get("params") for c in pool):
+        # another model's builds: scaled by the work of each (its vocabulary, layers and widths, not its parameter
+        # count alone); records without work units cannot be, and the model's own a-priori figure is better
+        scaled = [x for x in (_scale_units(c, want, stage, speed) for c in pool) if x is not None]
+        if not scaled:
+            return _apriori(stage, want, speed)
+        return Estimate(statistics.median(scaled), f"{len(scaled)} earlier build{'s' if len(scaled) > 1 else ''} "
+                        f"of another model {how}, scaled by the work of each (quantlab.prior)", True)
     seconds = statistics.median(_scale(c, want) for c in pool)
     return Estimate(seconds, f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, scaled linearly", rough)
+
+
+def _apriori(stage: str, want: dict, speed: dict | None) -> Estimate:
+    """A build no earlier build on this machine predicts: its work units at the machine's measured speed."""
+    from quantlab import prior
+
+    units = want.get("units")
+    if not (units and speed):
+        return Estimate(None, "no earlier build on this machine")
+    seconds = prior.seconds(stage, units, str(want.get("device") or "cpu").split(":")[0], speed,
+                            variant=str(want.get("variant") or ""))
+    if seconds is None:
+        return Estimate(None, "no earlier build on this machine")
+    return Estimate(seconds, "a-priori: the model's size at this machine's measured speed (quantlab.prior)", True)
+
+
+def _scale_units(entry: dict, want: dict, stage: str, speed: dict) -> float | None:
+    """entry's wall time scaled to want by the ratio of their a-priori seconds (both records carry units)."""
+    from quantlab import prior
+
+    if not entry.get("units"):
+        return None
+    device = str(want.get("device") or "cpu").split(":")[0]
+    have = prior.seconds(stage, entry["units"], device, speed, variant=str(entry.get("variant") or ""))
+    need = prior.seconds(stage, want["units"], device, speed, variant=str(want.get("variant") or ""))
+    return entry["wall_time_s"] * need / have if have and need else None
 
 
 def history(store) -> list[dict]:

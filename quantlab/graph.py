@@ -174,6 +174,14 @@ class Priced:
     placeholder: bool = False  # an input is not built yet, so the real key is known only during the run
 
 
+# the configuration sections each step's key depends on (steps not listed: the whole configuration), for keys that
+# cannot be formed before an input is built (a machine's first run)
+_CALIBRATED = ("model", "calib", "precision", "kv_cache")
+PENDING_SECTIONS = {"data:calib": ("model", "calib"), "data:eval": ("model", "eval"),
+                    "reference": ("model", "eval", "gate"), "quantize": _CALIBRATED, "export": _CALIBRATED,
+                    "audit": _CALIBRATED}
+
+
 class Pricer:
     """Prices steps without building: same keys as the executor, fingerprints of artifacts not built yet are
     placeholders ("pending:<key>"), and a step is 'build' when a target needs it and the store lacks it."""
@@ -207,8 +215,8 @@ class Pricer:
             self._forming.append(name)
             try:
                 self.keys[name] = self.steps[name].key(self)
-            except Pending:
-                self.keys[name] = f"pending:{name}"
+            except Pending:  # unknown until an input is built: the same for two runs only if their configs are
+                self.keys[name] = f"pending:{name}:{self._config_digest(name)}"
                 self.placeholder.add(name)
             finally:
                 self._forming.pop()
@@ -262,7 +270,7 @@ class Pricer:
             try:
                 directory, key = step.probe(self)
             except Pending:
-                directory, key = step.directory, f"pending:{name}"
+                directory, key = step.directory, f"pending:{name}:{self._config_digest(name)}"
                 self.placeholder.add(name)
             finally:
                 self._forming.pop()
@@ -287,6 +295,24 @@ class Pricer:
             for need in step.needs:
                 self.demand(need)
 
+    def _config_digest(self, name: str) -> str:
+        """A digest of the configuration sections step `name` depends on (all of them for steps not listed): what
+        tells two runs' not-yet-formable keys apart."""
+        import hashlib
+
+        cfg = self.ctx.cfg
+        sections = PENDING_SECTIONS.get(name)
+        what = repr(cfg) if sections is None else repr([getattr(cfg, s, None) for s in sections])
+        return hashlib.sha256(what.encode()).hexdigest()[:12]
+
+    def speed(self) -> dict | None:
+        """This machine's speed for the run's device and dtype (quantlab.prior; measured once per machine)."""
+        from quantlab import prior
+
+        if not hasattr(self, "_speed"):
+            self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype)
+        return self._speed
+
     def price(self, target_names: list[str]) -> list[Priced]:
         """Demand the targets, then one Priced row per step in run order, with an estimate from earlier builds for
         each step to build. Steps to build are added to `seen`, so a later run of the sweep finds them 'shared'."""
@@ -301,9 +327,12 @@ class Pricer:
             if status == "build" and step.work is not None:
                 try:
                     want = step.work(self)
-                except Pending:
-                    want = None
-                estimate = costs.estimate(self.history, step.directory, want) if want else costs.Estimate(None, "?")
+                except Pending:  # its inputs are not built yet: priced from the configuration and the model's shape
+                    from quantlab import prior
+
+                    want = prior.cold_work(self, name)
+                estimate = (costs.estimate(self.history, step.directory, want, speed=self.speed()) if want
+                            else costs.Estimate(None, "?"))
             if status == "build" and step.probe is None:
                 self.seen.add((step.directory, key))
             out.append(Priced(name, step.stage, key, status, estimate, name in self.placeholder))

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from quantlab import costs, preflight, progress, rundir
+from quantlab import costs, preflight, prior, progress, rundir
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import Config
 from quantlab.engines.registry import check_kernel_names
@@ -93,6 +93,8 @@ class _Run:
         self.runlog: progress.RunLog | None = None
         self._history: list[dict] | None = None
         self.planned: dict[str, dict] = {}  # step -> the seconds predicted as its build started, and from what
+        self._speed: dict | None = None  # this machine's speed (quantlab.prior), measured once per machine
+        self.steps_by_name = {s.name: s for s in self.steps}
 
     def reported(self, step: Step) -> Step:
         """The step with its build reported by quantlab.progress (label, ETA from earlier builds or the cost model)
@@ -117,16 +119,27 @@ class _Run:
         if step.work is None:
             return None, ""
         try:
-            want = step.work(r)
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
-            est = costs.estimate(self._history, step.directory, want)
+                self._speed = prior.speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
+            est = costs.estimate(self._history, step.directory, step.work(r), speed=self._speed)
+            if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
+                ref = costs.estimate(self._history, "reference", self.steps_by_name["reference"].work(r),
+                                     speed=self._speed)  # the evaluation builds the reference's outputs lazily
+                est = costs.Estimate(est.seconds + ref.seconds, est.basis, est.rough or ref.rough) if ref.known \
+                    else costs.Estimate(None, ref.basis)
         except Exception:  # noqa: BLE001 - an estimate is advice; never fail a step over it
             return None, ""
         if not est.known:
             return None, ""
-        return est.seconds, ("from other precisions' builds and the cost model" if est.rough
+        return est.seconds, ("a-priori, from the model's size and this machine's speed" if "a-priori" in est.basis
+                             else "from other builds and the cost model" if est.rough
                              else "from earlier builds on this machine")
+
+    def _reference_cached(self, r) -> bool:
+        """Whether the reference's first block of outputs is in the store (else the evaluation computes it)."""
+        outputs = r.value("reference")
+        return self.ctx.store.load("reference", outputs.block_key(0), verify=False) is not None
 
     def execute(self) -> RunResult:
         ref = self.inputs()

@@ -119,7 +119,7 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
         rows.append([p.label] + cells + [total])
     widths = [max(len(r[i]) for r in [head] + [r for r in rows if len(r) == len(head)]) for i in range(len(head))]
     lines = [f"quantlab plan: {len(plans)} run{'s' if len(plans) != 1 else ''}; cache {store.root}; "
-             f"estimates from earlier builds on this machine ({costs.machine_id()}, {device_label})",
+             f"estimates from earlier builds on this machine ({costs.machine_id()}, {device_label}) or a-priori",
              "  " + "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     for r in rows:
         lines.append("  " + ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) if len(r) == len(head)
@@ -137,9 +137,12 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
         summary += f" ({no_history} with no earlier build on this machine to predict from, not counted)"
     summary += f"; reused: {reused} (cache or an earlier run of this sweep)"
     lines.append(summary)
-    if any(s.estimate and s.estimate.rough for s in todo):
-        lines.append("  * predicted from other precisions or engines on this machine (calibration through each "
-                     "precision's cost model, quantlab/costs.py): rough until this variant has a build of its own")
+    if any(s.estimate and s.estimate.rough and "a-priori" not in s.estimate.basis for s in todo):
+        lines.append("  * predicted from other precisions, engines or models on this machine (calibration through "
+                     "each precision's cost model, quantlab/costs.py): rough until this variant has a build of its own")
+    if any(s.estimate and "a-priori" in s.estimate.basis for s in todo):
+        lines.append("  * a-priori: no earlier build on this machine, priced from the model's shape (layers, hidden, "
+                     "vocabulary, parameters), its tokens and this machine's measured speed (quantlab/prior.py)")
     for s in todo:
         if s.estimate and s.estimate.known:
             log.debug("plan: %s %s: %.1f s from %s", s.stage, s.key, s.estimate.seconds, s.estimate.basis)

@@ -273,6 +273,9 @@ def test_run_json_records_the_plan_beside_what_each_step_took(tiny_llama, tmp_pa
     first_plan = read_json(tmp_path / "outputs" / "a" / "run.json")["plan"]
     assert {"quantize", "export"} <= set(first_plan["steps"])  # the first run built them
     assert all(row["basis"] for row in first_plan["steps"].values())  # every prediction says what it came from
+    for name in ("quantize", "export", "audit", "evaluate:torch"):  # an empty cache: priced from the model's shape
+        row = first_plan["steps"][name]
+        assert row["planned_s"] and row["planned_s"] > 0 and "a-priori" in row["basis"], (name, row)
 
 
 # ------------------------------------------------------------------------------- the cheapest refusal comes first

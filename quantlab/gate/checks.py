@@ -291,6 +291,17 @@ def check_evaluation_text(cfg: GateConfig, precision: str, evalset, max_windows:
     return check_documents(evalset.docs, design)
 
 
+def passing_windows(cfg: GateConfig, precision: str, windows: int, cap: int | None, seq_len: int) -> int:
+    """The windows a passing run reads: the first look at which every check can pass (the tail checks need many
+    windows; without them, the first look), of a text giving `windows` under the cap. A run that passes reads at
+    least these and usually stops there; a failing one may stop earlier, an undecided one reads on to the cap."""
+    try:
+        design = with_tails(design_for(cfg, windows, cap), thresholds_for(cfg, precision, seq_len))
+    except QuantlabError:
+        return min(windows, cap or windows)
+    return design.looks[design.first_pass]
+
+
 def with_tails(design: stats.Design, thresholds: dict[str, Threshold]) -> stats.Design:
     """The design with first_pass at the first look where every tail check can pass: before it the gate cannot
     pass, so the mean checks spend their alpha over the looks from there on (they can still fail earlier)."""

@@ -69,7 +69,12 @@ def step(ctx: RunContext) -> Step:
         return AuditReport.from_dict(json.loads((art.path / REPORT).read_text(encoding="utf-8")))
 
     def work(r) -> dict:
-        return costs.work(costs.device_label(ctx.device), "audit", r.value("prepare").num_params)
+        from quantlab import prior
+
+        ref = r.value("prepare")
+        shape = prior.Shape.of(ref.config, ref.num_params)
+        return costs.work(costs.device_label(ctx.device), "audit", ref.num_params,
+                          units=shape and prior.audit(shape, CANARY["windows"], CANARY["tokens"]))
 
     return Step("audit", "export", key, load, build, needs=("export", "prepare", "data:eval"), work=work,
                 manifest=lambda r: {"model": r.fingerprint("prepare"), "export": r.fingerprint("export"),

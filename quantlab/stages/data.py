@@ -732,7 +732,8 @@ def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactSt
     art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out, vocab),
                                 {"role": role.name, "recipe": ident.recipe, "model": model_fp},
                                 describe=f"tokenizing {role.name} data",
-                                cost=costs.work("cpu", role.name, size=ident.source.length))
+                                cost=costs.work("cpu", role.name, size=ident.source.length,
+                                                units={"bytes": ident.source.length}))
     return load(art, role)
 
 
@@ -773,6 +774,7 @@ def step(ctx: RunContext, role: Role) -> Step:
         return tokens
 
     return Step(name, "data", lambda r: ident(r).key, load_step, build_step,
-                needs=("prepare",), work=lambda r: costs.work("cpu", role.name, size=ident(r).source.length),
+                needs=("prepare",), work=lambda r: costs.work("cpu", role.name, size=ident(r).source.length,
+                                                              units={"bytes": ident(r).source.length}),
                 manifest=lambda r: {"role": role.name, "recipe": ident(r).recipe, "model": r.fingerprint("prepare")},
                 describe=f"tokenizing {role.name} data", cheap=True)

@@ -641,12 +641,34 @@ def attribution(results: dict, engine: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the steps
+def _units(r, tokens: int, what: str) -> dict | None:
+    """The work units (quantlab.prior) of the reference's (what="reference": the whole run's, "reference-block": one
+    block's) or a candidate's ("run", "block") evaluation of tokens; a whole run adds the generations and, for a
+    candidate, the first look again (numerics)."""
+    from quantlab import prior
+
+    ref, evalset, cfg = r.value("prepare"), r.value("data:eval"), r.ctx.cfg
+    shape = prior.Shape.of(ref.config, ref.num_params)
+    if shape is None:
+        return None
+    whole = what in ("run", "reference")
+    prompts = min(cfg.eval.gen_prompts, evalset.num_windows) if whole and cfg.eval.gen_tokens else 0
+    if what.startswith("reference"):
+        return prior.reference(shape, tokens, evalset.seq_len, cfg.eval.batch_size, (prompts, cfg.eval.gen_tokens))
+    look = cfg.gate.statistical.look_windows * evalset.seq_len if what == "run" and cfg.eval.numerics else 0
+    return prior.evaluation(shape, tokens, evalset.seq_len, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens))
+
+
 def _run_tokens(r) -> int:
-    """The tokens the plan prices an evaluation at: every window up to the cap (what a passing run reads: its tail
-    checks cannot pass before their windows are in, its mean checks rarely before; a failing run may stop earlier,
-    so this is an upper bound for it). Was: one look's windows, which priced a passing run 8-20x too low."""
-    evalset = r.value("data:eval")
-    return evalset.num_windows * evalset.seq_len
+    """The tokens the plan prices an evaluation at: the windows a passing run reads (gate.checks.passing_windows:
+    the first look where its tail checks can pass, all 61 windows of the default text; a failing run may stop
+    earlier, an undecided one reads on to the cap). Was: one look's windows, 8-20x too low for a passing run."""
+    from quantlab.gate.checks import passing_windows
+
+    evalset, cfg = r.value("data:eval"), r.ctx.cfg
+    windows = passing_windows(cfg.gate, r.ctx.precision.name, evalset.num_windows, cfg.eval.max_windows,
+                              evalset.seq_len)
+    return windows * evalset.seq_len
 
 
 def reference_step(ctx: RunContext) -> Step:
@@ -661,7 +683,8 @@ def reference_step(ctx: RunContext) -> Step:
         evalset, params = r.value("data:eval"), r.value("prepare").num_params
         return ReferenceOutputs(ctx, r.key("reference"), evalset, lambda: build_engine(ENGINES["reference"], r),
                                 lambda n: costs.work(costs.device_label(ctx.device), "reference", params,
-                                                     n * evalset.seq_len))
+                                                     n * evalset.seq_len,
+                                                     units=_units(r, n * evalset.seq_len, "reference-block")))
 
     def probe(r) -> tuple[str, str]:
         return "reference", ctx.store.key("reference", base=r.key("reference"), block=0)
@@ -669,7 +692,7 @@ def reference_step(ctx: RunContext) -> Step:
     return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
                 target=False,
                 work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
-                                          _run_tokens(r)))
+                                          _run_tokens(r), units=_units(r, _run_tokens(r), "reference")))
 
 
 def candidate_identity(spec: EngineSpec, r) -> str:
@@ -702,7 +725,7 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
             memo[spec.name] = CandidateBlocks(
                 spec, candidate_identity(spec, r), r.value("reference"), lambda: build_engine(spec, r), limits(r),
                 lambda n: costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", params,
-                                     n * evalset.seq_len))
+                                     n * evalset.seq_len, units=_units(r, n * evalset.seq_len, "block")))
         return memo[spec.name]
 
     def build(_out, r) -> EvalResult:
@@ -739,7 +762,7 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         from quantlab.stages.quantize import recipe_label
 
         return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
-                          r.value("prepare").num_params, _run_tokens(r))
+                          r.value("prepare").num_params, _run_tokens(r), units=_units(r, _run_tokens(r), "run"))
 
     needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
     return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,

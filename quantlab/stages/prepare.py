@@ -92,6 +92,19 @@ def _assembler(emb):
     return importlib.import_module(emb.package)
 
 
+def _gguf_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the embedded GGUF (of its chunks, for a model shipped in parts): what converting it costs."""
+    emb = cfg.embedded
+    if not emb.parts:
+        return _embedded_file(cfg).stat().st_size
+    total = 0
+    for name in _packages(emb)[1:]:
+        spec = importlib.util.find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            total += sum(f.stat().st_size for f in Path(root).rglob("*.gguf.part*") if f.is_file())
+    return total
+
+
 def embedded_name(cfg: ModelConfig) -> str:
     """The embedded model's name, from the file it ships as
     ("SmolLM2-135M-Instruct.Q4_1.gguf" -> smollm2-135m-instruct)."""
@@ -184,7 +197,7 @@ def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
     gguf = _embedded_file(cfg)
     art, _ = store.get_or_build("prepare", embedded_key(cfg, store), lambda out: _convert(cfg, gguf, out),
                                 {"model": embedded_name(cfg)}, describe=f"converting {gguf.name}",
-                                cost=costs.work("cpu", gguf.name))
+                                cost=costs.work("cpu", gguf.name, units={"bytes": _gguf_bytes(cfg)}))
     return _embedded_ref(cfg, art)
 
 
@@ -202,5 +215,6 @@ def step(ctx: RunContext) -> Step:
     gguf = _embedded_file(cfg)
     return Step("prepare", "prepare", lambda r: embedded_key(cfg, ctx.store),
                 lambda art, r, built: _embedded_ref(cfg, art), lambda out, r: _convert(cfg, gguf, out),
-                work=lambda r: costs.work("cpu", gguf.name), manifest=lambda r: {"model": embedded_name(cfg)},
+                work=lambda r: costs.work("cpu", gguf.name, units={"bytes": _gguf_bytes(cfg)}),
+                manifest=lambda r: {"model": embedded_name(cfg)},
                 describe=f"converting {gguf.name}", cheap=True)

@@ -327,10 +327,15 @@ def step(ctx: RunContext) -> Step:
                           built.value if built else None)
 
     def work(r) -> dict:
+        from quantlab import prior
+
         calib, ref = r.value("data:calib"), r.value("prepare")
-        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), ref.num_params,
-                          calib.num_windows * calib.seq_len,
-                          passes=costs.precision_passes(ctx.precision.name, ref.config, calib.seq_len))
+        passes = costs.precision_passes(ctx.precision.name, ref.config, calib.seq_len)
+        shape = prior.Shape.of(ref.config, ref.num_params)
+        tokens = calib.num_windows * calib.seq_len
+        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), ref.num_params, tokens, passes=passes,
+                          units=shape and prior.calibration(shape, tokens, calib.seq_len, cfg.calib.batch_size,
+                                                            passes))
 
     def manifest(r) -> dict:
         return {"recipe": request(r).recipe, "model": r.fingerprint("prepare"), "calib": r.fingerprint("data:calib"),

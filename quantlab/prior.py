@@ -1,0 +1,375 @@
+"""A-priori build times: what a step costs on this machine before any build of it exists here, from the model's
+shape (layers, hidden, MLP width, heads, vocabulary, parameters), the tokens it processes, and this machine's
+speed measured once (a matrix multiply, a vocabulary-wide elementwise pass, a kernel launch, a file hash).
+
+    seconds = fixed + flops / (matmul rate x efficiency) + vocabulary elements / elementwise rate
+              + forward batches x layers x launches per layer x launch time + bytes / file rate
+
+The efficiencies and fixed costs per stage and device type (`COEFFICIENTS`) were fitted once to measured builds:
+the default model and Gemma-3-270M on this project's 2-core CPU, an 8B-shaped model on an H100
+(bench/RESULTS.md, "The plan from the model's size"). Once a build of a step exists on this machine, quantlab.costs
+predicts from it instead (scaled by these same work units), so the a-priori figure is only ever a first estimate.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("quantlab")
+
+SPEED_FILE = "machine_speed.json"
+SPEED_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------- the model's shape
+@dataclass(frozen=True)
+class Shape:
+    """What a forward pass costs per token depends on: the decoder's shape and its parameter count."""
+    layers: int
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int
+
+    @classmethod
+    def of(cls, config: dict | None, params: int | None) -> Shape | None:
+        """The shape from a transformers config (its text_config for multimodal wrappers); None when it says too
+        little. An MoE counts its active experts' MLP width."""
+        text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
+        text = text or {}
+        get = text.get
+        hidden, layers, heads, vocab = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), \
+            get("vocab_size")
+        if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads, vocab)):
+            return None
+        inter = get("moe_intermediate_size") or get("intermediate_size") or 4 * hidden
+        active = get("num_experts_per_tok") if get("moe_intermediate_size") else None
+        inter = inter * (active or 1)
+        head_dim = get("head_dim") or hidden // heads
+        kv = get("num_key_value_heads") or heads
+        return cls(layers, hidden, int(inter), heads, kv, int(head_dim), vocab, int(params or 0))
+
+    def body_macs(self, seq_len: int) -> float:
+        """Multiply-adds per token of the decoder layers over a causal window of seq_len (attention over half of it
+        on average), without the head."""
+        linear = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 3 * self.hidden * self.inter
+        attention = 2 * self.heads * self.head_dim * (seq_len / 2)
+        return self.layers * (linear + attention)
+
+    def head_macs(self) -> float:
+        """Multiply-adds per token of the output head."""
+        return float(self.hidden * self.vocab)
+
+
+# ------------------------------------------------------------------------------------------- this machine's speed
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(fn, device, repeats: int = 3) -> float:
+    fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - start)
+    return min(out)
+
+
+def measure(device, dtype) -> dict:
+    """This machine's speed in the model's dtype (about 0.5 s on a 2-core CPU): GEMM rate at a decoder's shape,
+    a log-softmax over a vocabulary-wide row, one small kernel's launch, and hashing a file. device: a
+    quantlab.env.Device."""
+    import hashlib
+
+    import torch
+
+    device = torch.device(device.torch)
+
+    m, k, n = (512, 1024, 2048) if device.type == "cpu" else (4096, 4096, 8192)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    gemm = _best(lambda: a @ b, device)
+    rows = torch.randn(64 if device.type == "cpu" else 1024, 65536, device=device, dtype=torch.float32)
+    soft = _best(lambda: torch.log_softmax(rows, -1), device)
+    x = torch.zeros(16, device=device, dtype=dtype)
+
+    def launches():
+        for _ in range(200):
+            x.add_(1)
+    launch = _best(launches, device) / 200
+    blob = os.urandom(8 << 20)
+    hashed = _best(lambda: hashlib.sha256(blob).digest(), torch.device("cpu"))
+    return {"matmul_flops": 2 * m * k * n / gemm, "elementwise_per_s": rows.numel() / soft, "launch_s": launch,
+            "hash_bytes_per_s": len(blob) / hashed}
+
+
+_measured: dict[str, dict] = {}  # this process's measurements
+
+
+def _fastest(a: dict, b: dict) -> dict:
+    """The faster of two measurements, field by field (a busy machine measures slow: the plan predicts an idle one)."""
+    return {k: (max if k != "launch_s" else min)(a.get(k, b[k]), b[k]) for k in b}
+
+
+def speed(root: Path | None, device, dtype) -> dict | None:
+    """This machine's speed for device and dtype: measured once per process and kept in the cache root
+    (machine_speed.json) as the fastest seen, since a machine measured while busy reads slow; None when it cannot be
+    measured."""
+    from quantlab.costs import device_label, machine_id
+
+    key = f"{machine_id()}|{device_label(device)}|{dtype}|v{SPEED_VERSION}"
+    path = Path(root) / SPEED_FILE if root else None
+    known = {}
+    if path is not None and path.is_file():
+        try:
+            known = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = {}
+    if key in _measured:
+        return _fastest(known[key], _measured[key]) if key in known else _measured[key]
+    try:
+        _measured[key] = measure(device, dtype)
+    except Exception as exc:  # noqa: BLE001 - the speed is advice for a plan; never fail a run over it
+        log.debug("machine speed not measured: %s", exc)
+        return known.get(key)
+    value = _fastest(known[key], _measured[key]) if key in known else _measured[key]
+    if path is not None and value != known.get(key):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**known, key: value}, indent=1), encoding="utf-8")
+            tmp.replace(path)
+        except OSError:
+            pass
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ the work units
+@dataclass
+class Units:
+    """What one build does, in units whose cost the machine's speed gives: matmul FLOPs, vocabulary-wide
+    elementwise values, kernel launches and bytes hashed or written. fixed names the fixed cost's entry."""
+    flops: float = 0.0
+    elements: float = 0.0
+    launches: float = 0.0
+    bytes: float = 0.0
+
+    def to_dict(self) -> dict:
+        """For a work() record."""
+        return {k: round(v, 1) for k, v in asdict(self).items() if v}
+
+
+LAUNCHES_PER_LAYER = 24  # kernels of one decoder layer's forward in eager mode (norms, projections, rotary, SDPA)
+
+
+def forward(shape: Shape, tokens: float, seq_len: int, batch: int, head: bool = True, passes: float = 1.0) -> Units:
+    """passes forward passes over tokens in windows of seq_len, batch windows at a time (the head computed when
+    head is set: its logits, and the vocabulary-wide log-softmax over them)."""
+    per_token = shape.body_macs(seq_len) + (shape.head_macs() if head else 0.0)
+    batches = tokens / max(1, seq_len * batch)
+    return Units(flops=2 * per_token * tokens * passes, elements=(shape.vocab * tokens * passes) if head else 0.0,
+                 launches=batches * shape.layers * LAUNCHES_PER_LAYER * passes)
+
+
+# Per stage and device type: fixed seconds and the multipliers of each unit's time at the measured speed
+# (1.0: as fast as the microbenchmark). Fitted to the builds in this module's docstring; see bench/RESULTS.md.
+COEFFICIENTS = {
+    "cpu": {
+        "data": {"fixed": 0.2, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 1600.0},
+        "prepare": {"fixed": 4.0, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 400.0},
+        "quantize": {"fixed": 3.0, "flops": 1.23, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
+        "export": {"fixed": 0.5, "flops": 1.0, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
+        "audit": {"fixed": 2.0, "flops": 1.6, "elements": 2.0, "launches": 1.0, "bytes": 1.0},
+        "reference": {"fixed": 8.0, "flops": 1.3, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
+        "evaluate": {"fixed": 10.0, "flops": 1.3, "elements": 6.0, "launches": 1.0, "bytes": 1.0},
+    },
+    "cuda": {  # bytes: loading and writing checkpoints dominate at 8B; launches: small models
+        "data": {"fixed": 0.2, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 1600.0},
+        "prepare": {"fixed": 4.0, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 400.0},
+        "quantize": {"fixed": 6.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.5},
+        "export": {"fixed": 1.0, "flops": 1.0, "elements": 1.0, "launches": 1.0, "bytes": 1.7},
+        "audit": {"fixed": 3.0, "flops": 3.0, "elements": 2.0, "launches": 4.0, "bytes": 1.0},
+        "reference": {"fixed": 2.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.25},
+        "evaluate": {"fixed": 6.0, "flops": 3.0, "elements": 6.0, "launches": 4.0, "bytes": 0.5},
+    },
+}
+# The quantized model's matmul time against the unquantized one's, per precision (fake-quant during calibration,
+# quantlab's engine during evaluation): on a CPU the engine emulates FP8 around float32 GEMMs.
+PRECISION_FACTOR = {
+    "cpu": {"quantize": {"int8_sq": 1.8},
+            "evaluate": {"fp8": 2.8, "fp8_pc_pt": 2.8, "int4_awq": 3.5, "w4a8_awq": 4.0}},
+    "cuda": {"quantize": {}, "evaluate": {}},
+}
+
+
+def _precision(variant: str) -> str:
+    """The precision of a cost record's variant ("torch:fp8/kv=none", "int4_awq/kv=fp8")."""
+    return variant.split(":")[-1].split("/")[0]
+
+
+def seconds(stage: str, units: dict, device_type: str, machine: dict, variant: str = "") -> float | None:
+    """A-priori seconds of one build of stage doing units (Units.to_dict()) on a machine of that speed; variant:
+    the cost record's (its precision scales the matmul time of calibration and evaluation)."""
+    kind = "cuda" if device_type.startswith("cuda") else "cpu"
+    c = COEFFICIENTS[kind].get(stage)
+    if c is None or not machine:
+        return None
+    factor = PRECISION_FACTOR[kind].get(stage, {}).get(_precision(variant), 1.0)
+    out = c["fixed"]
+    out += units.get("flops", 0.0) / machine["matmul_flops"] * c["flops"] * factor
+    out += units.get("elements", 0.0) / machine["elementwise_per_s"] * c["elements"]
+    out += units.get("launches", 0.0) * machine["launch_s"] * c["launches"]
+    out += units.get("bytes", 0.0) / machine["hash_bytes_per_s"] * c["bytes"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ per stage
+def calibration(shape: Shape, tokens: int, seq_len: int, batch: int, passes: float | None) -> dict:
+    """A calibration's units: its forward passes without the head (quantlab.costs.calibration_passes), and reading
+    the model in float32."""
+    units = forward(shape, tokens, seq_len, batch, head=False, passes=passes or 1.0)
+    units.bytes = 4.0 * shape.params
+    return units.to_dict()
+
+
+def export(shape: Shape, bytes_per_param: float = 2.0) -> dict:
+    """An export's units: quantizing and writing every weight once."""
+    return Units(elements=4.0 * shape.params, bytes=bytes_per_param * shape.params).to_dict()
+
+
+def audit(shape: Shape, canary_windows: int, canary_tokens: int) -> dict:
+    """The audit's units: every quantized weight rebuilt and compared with the reference (a few elementwise passes
+    over each), and the canary's forward passes of the reference and the export."""
+    units = forward(shape, canary_windows * canary_tokens, canary_tokens, canary_windows, head=True, passes=2.0)
+    units.elements += 8.0 * shape.params
+    units.bytes = 4.0 * shape.params
+    return units.to_dict()
+
+
+def _decode(shape: Shape, models: int, generate: tuple[int, int]) -> Units:
+    """Greedy generation by `models` models (generate: prompts, steps; all prompts at once, launch-bound)."""
+    prompts, steps = generate
+    if not prompts:
+        return Units()
+    return Units(flops=models * 2 * (shape.body_macs(64) + shape.head_macs()) * prompts * steps,
+                 launches=models * steps * shape.layers * LAUNCHES_PER_LAYER)
+
+
+def _sum(*parts: Units) -> Units:
+    return Units(*(sum(getattr(p, f) for p in parts) for f in ("flops", "elements", "launches", "bytes")))
+
+
+def reference(shape: Shape, tokens: int, seq_len: int, batch: int, generate: tuple[int, int] = (0, 0)) -> dict:
+    """The reference's units: loading the model, its forward passes with the head over the windows read, and its
+    greedy generations (generate: prompts, steps)."""
+    return _sum(forward(shape, tokens, seq_len, batch), _decode(shape, 1, generate),
+                Units(bytes=4.0 * shape.params)).to_dict()
+
+
+def evaluation(shape: Shape, tokens: int, seq_len: int, batch: int, look_tokens: int,
+               generate: tuple[int, int]) -> dict:
+    """A candidate's evaluation units: the candidate over the windows read (the reference, which the same step
+    builds when it is not cached, is priced on its own: reference()), the reference's logits recomputed from its
+    cached hidden states for the KL (a head and two vocabulary-wide passes a token), the first look again for the
+    numerics check, the candidate's greedy generations (generate: prompts, steps) and loading its checkpoint."""
+    cand = forward(shape, tokens + look_tokens, seq_len, batch)
+    kl = Units(flops=2 * shape.head_macs() * tokens, elements=2.0 * shape.vocab * tokens)
+    return _sum(cand, kl, _decode(shape, 1, generate), Units(bytes=4.0 * shape.params)).to_dict()
+
+
+# ------------------------------------------------------------------------------- a machine's first run, planned
+CHARS_PER_TOKEN = 4.0  # characters of English prose and code per token (the default text: 4.2 with SmolLM2's)
+
+
+def _cold_shape(r) -> Shape | None:
+    """The model's shape before anything is built: the local checkpoint's config, else the embedded model's
+    declared shape (conf/model/*.yaml)."""
+    from quantlab.step import Pending
+
+    try:
+        ref = r.value("prepare")
+        return Shape.of(ref.config, ref.num_params)
+    except Pending:
+        emb = r.ctx.cfg.model.embedded
+        hint = dict(emb.shape) if emb is not None and emb.shape else None
+        return Shape.of(hint, hint.get("params")) if hint else None
+
+
+def _cold_windows(cfg, precision: str | None = None) -> int:
+    """Evaluation windows a run will read, before its text is tokenized: the text's characters at CHARS_PER_TOKEN,
+    in full windows, up to the pool (eval.pool_windows); of those, what a passing run of the precision reads
+    (gate.checks.passing_windows: up to the cap, eval.max_windows); with no precision, all of them up to the cap."""
+    from quantlab.gate.checks import passing_windows
+    from quantlab.stages import data
+
+    pool = min(x for x in (cfg.eval.pool_windows, 10 ** 9) if x)
+    try:
+        chars = data.source(cfg.eval, data.EVAL).length
+        prefix = 0 if cfg.eval.prefix_token in (None, "none") else 1
+        windows = max(1, min(pool, int(chars / CHARS_PER_TOKEN // max(1, cfg.eval.seq_len - prefix))))
+    except Exception:  # noqa: BLE001 - the plan prices; the run itself reports a bad source
+        windows = pool
+    if precision is None:
+        return min(windows, cfg.eval.max_windows or windows)
+    return passing_windows(cfg.gate, precision, windows, cfg.eval.max_windows, cfg.eval.seq_len)
+
+
+def cold_work(r, name: str) -> dict | None:
+    """The work() of step `name` when its inputs are not built yet (a machine's or a model's first run): the same
+    record from the configuration alone (the model's shape, num_samples x seq_len calibration tokens, the windows
+    the evaluation text gives); None for steps it cannot price."""
+    from quantlab import costs
+
+    cfg, ctx = r.ctx.cfg, r.ctx
+    shape = _cold_shape(r)
+    if shape is None:
+        return None
+    dev, recipe = costs.device_label(ctx.device), f"{ctx.precision.name}/kv={cfg.kv_cache.dtype}"
+    calib_tokens = cfg.calib.num_samples * cfg.calib.seq_len
+    eval_tokens = _cold_windows(cfg, ctx.precision.name) * cfg.eval.seq_len
+    if name in ("data:calib", "data:eval"):
+        from quantlab.stages import data
+
+        role = data.CALIB if name == "data:calib" else data.EVAL
+        try:
+            length = data.source(getattr(cfg, role.name), role).length
+        except Exception:  # noqa: BLE001
+            return None
+        return costs.work("cpu", role.name, size=length, units={"bytes": length})
+    if name == "quantize":
+        passes = costs.precision_passes(ctx.precision.name, {"hidden_size": shape.hidden,
+                                        "intermediate_size": shape.inter, "num_attention_heads": shape.heads,
+                                        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim},
+                                        cfg.calib.seq_len)
+        return costs.work(dev, recipe, shape.params, calib_tokens, passes=passes,
+                          units=calibration(shape, calib_tokens, cfg.calib.seq_len, cfg.calib.batch_size, passes))
+    if name == "export":
+        return costs.work(dev, recipe, shape.params, units=export(shape))
+    if name == "audit":
+        from quantlab.stages.audit import CANARY
+
+        return costs.work(dev, "audit", shape.params, units=audit(shape, CANARY["windows"], CANARY["tokens"]))
+    prompts = cfg.eval.gen_prompts if cfg.eval.gen_tokens else 0
+    if name == "reference":
+        return costs.work(dev, "reference", shape.params, eval_tokens,
+                          units=reference(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size,
+                                          (prompts, cfg.eval.gen_tokens)))
+    if name.startswith("evaluate:"):
+        look = cfg.gate.statistical.look_windows * cfg.eval.seq_len if cfg.eval.numerics else 0
+        return costs.work(dev, f"{name.split(':', 1)[1]}:{recipe}", shape.params, eval_tokens,
+                          units=evaluation(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size, look,
+                                           (prompts, cfg.eval.gen_tokens)))
+    return None
