@@ -164,7 +164,8 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
         pool, how, rough = same, "of other variants", True
     if not pool:
         return _apriori(stage, want, speed)
-    if speed and want.get("units") and not any(c.get("params") == want.get("params") for c in pool):
+    other_model = not any(c.get("params") == want.get("params") for c in pool)
+    if speed and want.get("units") and other_model:
         # another model's builds: scaled by the work of each (its vocabulary, layers and widths, not its parameter
         # count alone); records without work units cannot be, and the model's own a-priori figure is better
         scaled = [x for x in (_scale_units(c, want, stage, speed) for c in pool) if x is not None]
@@ -172,6 +173,10 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
             return _apriori(stage, want, speed)
         return Estimate(statistics.median(scaled), f"{len(scaled)} earlier build{'s' if len(scaled) > 1 else ''} "
                         f"of another model {how}, scaled by the work of each (quantlab.prior)", True)
+    if speed and want.get("units") and rough:  # another precision's: its engine's speed against this one's
+        scaled = [_scale(c, want) * _variant_ratio(c, want, stage, speed) for c in pool]
+        return Estimate(statistics.median(scaled), f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, "
+                        "scaled linearly and by the precisions' speed (quantlab.prior)", True)
     seconds = statistics.median(_scale(c, want) for c in pool)
     return Estimate(seconds, f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, scaled linearly", rough)
 
@@ -188,6 +193,17 @@ def _apriori(stage: str, want: dict, speed: dict | None) -> Estimate:
     if seconds is None:
         return Estimate(None, "no earlier build on this machine")
     return Estimate(seconds, "a-priori: the model's size at this machine's measured speed (quantlab.prior)", True)
+
+
+def _variant_ratio(entry: dict, want: dict, stage: str, speed: dict) -> float:
+    """How much longer want's work takes at want's precision than at entry's (quantlab.prior's factors: FP8
+    emulated on a CPU, SmoothQuant's statistics); 1 where it cannot say."""
+    from quantlab import prior
+
+    device = str(want.get("device") or "cpu").split(":")[0]
+    mine = prior.seconds(stage, want["units"], device, speed, variant=str(want.get("variant") or ""))
+    theirs = prior.seconds(stage, want["units"], device, speed, variant=str(entry.get("variant") or ""))
+    return mine / theirs if mine and theirs else 1.0
 
 
 def _scale_units(entry: dict, want: dict, stage: str, speed: dict) -> float | None:

@@ -179,7 +179,7 @@ class Priced:
 _CALIBRATED = ("model", "calib", "precision", "kv_cache")
 PENDING_SECTIONS = {"data:calib": ("model", "calib"), "data:eval": ("model", "eval"),
                     "reference": ("model", "eval", "gate"), "quantize": _CALIBRATED, "export": _CALIBRATED,
-                    "audit": _CALIBRATED}
+                    "audit": _CALIBRATED + ("eval",)}
 
 
 class Pricer:
@@ -306,12 +306,24 @@ class Pricer:
         return hashlib.sha256(what.encode()).hexdigest()[:12]
 
     def speed(self) -> dict | None:
-        """This machine's speed for the run's device and dtype (quantlab.prior; measured once per machine)."""
+        """This machine's speed for the run's device and dtype (quantlab.prior; measured once per process)."""
         from quantlab import prior
 
         if not hasattr(self, "_speed"):
-            self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype)
+            try:
+                self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype)
+            except Exception:  # noqa: BLE001 - advice only
+                self._speed = None
         return self._speed
+
+    def _cold_work(self, name: str) -> dict | None:
+        """quantlab.prior.cold_work, None when it cannot price the step."""
+        from quantlab import prior
+
+        try:
+            return prior.cold_work(self, name)
+        except Exception:  # noqa: BLE001 - advice only
+            return None
 
     def price(self, target_names: list[str]) -> list[Priced]:
         """Demand the targets, then one Priced row per step in run order, with an estimate from earlier builds for
@@ -328,11 +340,12 @@ class Pricer:
                 try:
                     want = step.work(self)
                 except Pending:  # its inputs are not built yet: priced from the configuration and the model's shape
-                    from quantlab import prior
-
-                    want = prior.cold_work(self, name)
-                estimate = (costs.estimate(self.history, step.directory, want, speed=self.speed()) if want
-                            else costs.Estimate(None, "?"))
+                    want = self._cold_work(name)
+                try:
+                    estimate = (costs.estimate(self.history, step.directory, want, speed=self.speed()) if want
+                                else costs.Estimate(None, "?"))
+                except Exception:  # noqa: BLE001 - an estimate is advice: a plan never fails over one
+                    estimate = costs.Estimate(None, "?")
             if status == "build" and step.probe is None:
                 self.seen.add((step.directory, key))
             out.append(Priced(name, step.stage, key, status, estimate, name in self.placeholder))

@@ -50,8 +50,9 @@ class Shape:
         if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads, vocab)):
             return None
         inter = get("moe_intermediate_size") or get("intermediate_size") or 4 * hidden
-        active = get("num_experts_per_tok") if get("moe_intermediate_size") else None
-        inter = inter * (active or 1)
+        experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts")
+        active = get("num_experts_per_tok") if (get("moe_intermediate_size") or experts) else None
+        inter = inter * (active or 1) + (get("shared_expert_intermediate_size") or 0)
         head_dim = get("head_dim") or hidden // heads
         kv = get("num_key_value_heads") or heads
         return cls(layers, hidden, int(inter), heads, kv, int(head_dim), vocab, int(params or 0))
@@ -112,11 +113,24 @@ def measure(device, dtype) -> dict:
     launch = _best(launches, device) / 200
     blob = os.urandom(8 << 20)
     hashed = _best(lambda: hashlib.sha256(blob).digest(), torch.device("cpu"))
-    return {"matmul_flops": 2 * m * k * n / gemm, "elementwise_per_s": rows.numel() / soft, "launch_s": launch,
+    elements = rows.numel()
+    a = b = rows = x = None  # noqa: F841 - released before the run allocates
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the run's memory is its own
+    return {"matmul_flops": 2 * m * k * n / gemm, "elementwise_per_s": elements / soft, "launch_s": launch,
             "hash_bytes_per_s": len(blob) / hashed}
 
 
 _measured: dict[str, dict] = {}  # this process's measurements
+FIELDS = ("matmul_flops", "elementwise_per_s", "launch_s", "hash_bytes_per_s")
+
+
+def _valid(entry) -> bool:
+    """A machine_speed.json entry quantlab can price with: the four figures, finite and positive."""
+    import math
+
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and math.isfinite(entry[k])
+                                           and entry[k] > 0 for k in FIELDS)
 
 
 def _fastest(a: dict, b: dict) -> dict:
@@ -128,9 +142,12 @@ def speed(root: Path | None, device, dtype) -> dict | None:
     """This machine's speed for device and dtype: measured once per process and kept in the cache root
     (machine_speed.json) as the fastest seen, since a machine measured while busy reads slow; None when it cannot be
     measured."""
+    import torch
+
     from quantlab.costs import device_label, machine_id
 
-    key = f"{machine_id()}|{device_label(device)}|{dtype}|v{SPEED_VERSION}"
+    threads = torch.get_num_threads() if device.type == "cpu" else device.index
+    key = f"{machine_id()}|{device_label(device)}|{dtype}|{os.cpu_count()}x{threads}|v{SPEED_VERSION}"
     path = Path(root) / SPEED_FILE if root else None
     known = {}
     if path is not None and path.is_file():
@@ -138,6 +155,7 @@ def speed(root: Path | None, device, dtype) -> dict | None:
             known = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             known = {}
+    known = {k: v for k, v in known.items() if _valid(v)} if isinstance(known, dict) else {}
     if key in _measured:
         return _fastest(known[key], _measured[key]) if key in known else _measured[key]
     try:
@@ -160,12 +178,14 @@ def speed(root: Path | None, device, dtype) -> dict | None:
 # ------------------------------------------------------------------------------------------------ the work units
 @dataclass
 class Units:
-    """What one build does, in units whose cost the machine's speed gives: matmul FLOPs, vocabulary-wide
-    elementwise values, kernel launches and bytes hashed or written. fixed names the fixed cost's entry."""
+    """What one build does, in units whose cost the machine's speed gives: matmul FLOPs (qflops: those of the
+    decoder's quantized linear layers, which the precision's engine or fake-quant slows down; flops: the rest, the
+    head's included), vocabulary-wide elementwise values, kernel launches and bytes hashed or written."""
     flops: float = 0.0
     elements: float = 0.0
     launches: float = 0.0
     bytes: float = 0.0
+    qflops: float = 0.0
 
     def to_dict(self) -> dict:
         """For a work() record."""
@@ -175,12 +195,16 @@ class Units:
 LAUNCHES_PER_LAYER = 24  # kernels of one decoder layer's forward in eager mode (norms, projections, rotary, SDPA)
 
 
-def forward(shape: Shape, tokens: float, seq_len: int, batch: int, head: bool = True, passes: float = 1.0) -> Units:
+def forward(shape: Shape, tokens: float, seq_len: int, batch: int, head: bool = True, passes: float = 1.0,
+            quantized: bool = False) -> Units:
     """passes forward passes over tokens in windows of seq_len, batch windows at a time (the head computed when
-    head is set: its logits, and the vocabulary-wide log-softmax over them)."""
-    per_token = shape.body_macs(seq_len) + (shape.head_macs() if head else 0.0)
+    head is set: its logits, and the vocabulary-wide log-softmax over them); quantized: the decoder's layers are
+    the quantized model's (qflops)."""
+    body = 2 * shape.body_macs(seq_len) * tokens * passes
+    head_flops = 2 * shape.head_macs() * tokens * passes if head else 0.0
     batches = tokens / max(1, seq_len * batch)
-    return Units(flops=2 * per_token * tokens * passes, elements=(shape.vocab * tokens * passes) if head else 0.0,
+    return Units(flops=head_flops + (0.0 if quantized else body), qflops=body if quantized else 0.0,
+                 elements=(shape.vocab * tokens * passes) if head else 0.0,
                  launches=batches * shape.layers * LAUNCHES_PER_LAYER * passes)
 
 
@@ -229,7 +253,7 @@ def seconds(stage: str, units: dict, device_type: str, machine: dict, variant: s
         return None
     factor = PRECISION_FACTOR[kind].get(stage, {}).get(_precision(variant), 1.0)
     out = c["fixed"]
-    out += units.get("flops", 0.0) / machine["matmul_flops"] * c["flops"] * factor
+    out += (units.get("flops", 0.0) + units.get("qflops", 0.0) * factor) / machine["matmul_flops"] * c["flops"]
     out += units.get("elements", 0.0) / machine["elementwise_per_s"] * c["elements"]
     out += units.get("launches", 0.0) * machine["launch_s"] * c["launches"]
     out += units.get("bytes", 0.0) / machine["hash_bytes_per_s"] * c["bytes"]
@@ -240,7 +264,7 @@ def seconds(stage: str, units: dict, device_type: str, machine: dict, variant: s
 def calibration(shape: Shape, tokens: int, seq_len: int, batch: int, passes: float | None) -> dict:
     """A calibration's units: its forward passes without the head (quantlab.costs.calibration_passes), and reading
     the model in float32."""
-    units = forward(shape, tokens, seq_len, batch, head=False, passes=passes or 1.0)
+    units = forward(shape, tokens, seq_len, batch, head=False, passes=passes or 1.0, quantized=True)
     units.bytes = 4.0 * shape.params
     return units.to_dict()
 
@@ -259,17 +283,19 @@ def audit(shape: Shape, canary_windows: int, canary_tokens: int) -> dict:
     return units.to_dict()
 
 
-def _decode(shape: Shape, models: int, generate: tuple[int, int]) -> Units:
+def _decode(shape: Shape, models: int, generate: tuple[int, int], quantized: bool = False) -> Units:
     """Greedy generation by `models` models (generate: prompts, steps; all prompts at once, launch-bound)."""
     prompts, steps = generate
     if not prompts:
         return Units()
-    return Units(flops=models * 2 * (shape.body_macs(64) + shape.head_macs()) * prompts * steps,
-                 launches=models * steps * shape.layers * LAUNCHES_PER_LAYER)
+    body = models * 2 * shape.body_macs(64) * prompts * steps
+    return Units(flops=models * 2 * shape.head_macs() * prompts * steps + (0.0 if quantized else body),
+                 qflops=body if quantized else 0.0, launches=models * steps * shape.layers * LAUNCHES_PER_LAYER)
 
 
 def _sum(*parts: Units) -> Units:
-    return Units(*(sum(getattr(p, f) for p in parts) for f in ("flops", "elements", "launches", "bytes")))
+    return Units(*(sum(getattr(p, f) for p in parts)
+                   for f in ("flops", "elements", "launches", "bytes", "qflops")))
 
 
 def reference(shape: Shape, tokens: int, seq_len: int, batch: int, generate: tuple[int, int] = (0, 0)) -> dict:
@@ -285,9 +311,9 @@ def evaluation(shape: Shape, tokens: int, seq_len: int, batch: int, look_tokens:
     builds when it is not cached, is priced on its own: reference()), the reference's logits recomputed from its
     cached hidden states for the KL (a head and two vocabulary-wide passes a token), the first look again for the
     numerics check, the candidate's greedy generations (generate: prompts, steps) and loading its checkpoint."""
-    cand = forward(shape, tokens + look_tokens, seq_len, batch)
+    cand = forward(shape, tokens + look_tokens, seq_len, batch, quantized=True)
     kl = Units(flops=2 * shape.head_macs() * tokens, elements=2.0 * shape.vocab * tokens)
-    return _sum(cand, kl, _decode(shape, 1, generate), Units(bytes=4.0 * shape.params)).to_dict()
+    return _sum(cand, kl, _decode(shape, 1, generate, quantized=True), Units(bytes=4.0 * shape.params)).to_dict()
 
 
 # ------------------------------------------------------------------------------- a machine's first run, planned
@@ -368,7 +394,10 @@ def cold_work(r, name: str) -> dict | None:
                           units=reference(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size,
                                           (prompts, cfg.eval.gen_tokens)))
     if name.startswith("evaluate:"):
-        look = cfg.gate.statistical.look_windows * cfg.eval.seq_len if cfg.eval.numerics else 0
+        if name == "evaluate:served":  # a server's time is its own machine's: nothing here prices it
+            return None
+        main = name == f"evaluate:{ctx.engine.name}"  # the numerics check runs for the gated engine only
+        look = cfg.gate.statistical.look_windows * cfg.eval.seq_len if cfg.eval.numerics and main else 0
         return costs.work(dev, f"{name.split(':', 1)[1]}:{recipe}", shape.params, eval_tokens,
                           units=evaluation(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size, look,
                                            (prompts, cfg.eval.gen_tokens)))

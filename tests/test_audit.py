@@ -765,10 +765,18 @@ def test_a_layer_as_good_as_its_format_allows_is_a_warning(exports, tiny_llama, 
     assert row["sqnr_db"] < 9.5 and row["format_rtn"]["sqnr_db"] < 9.5, row  # beyond the bound, as RTN is
     assert report.errors == [], report.render()
     assert any(m in f.modules and "round-to-nearest" in f.message for f in report.warnings), report.render()
+    scales = e.tensors[f"{m}.weight_scale"].clone()
+    e.tensors[f"{m}.weight_scale"] = scales * 0.85  # a constant scale error: cosine and spread do not see it
+    e.save()
+    off = audit(e.path, e.reference, canary=False)
+    assert any(m in f.modules and "constant factor" in f.message for f in off.errors), off.render()
+    e.tensors[f"{m}.weight_scale"] = scales
     del e.tensors[f"{m}.pre_quant_scale"]
     e.save()
-    broken = audit(e.path, e.reference, canary=False)
-    assert any(m in f.modules and f.check == "weights" for f in broken.errors), broken.render()
+    broken = audit(e.path, e.reference, canary=False)  # the layer's own comparison, not only its role's consistency
+    assert any(m in f.modules and f.check == "weights" and
+               ("per input channel" in f.message or "dequantize" in f.message) for f in broken.errors), \
+        broken.render()
 
 
 def test_tied_model_export_is_clean(exports, tiny_qwen2):

@@ -105,4 +105,8 @@ def test_the_a_priori_time_grows_with_the_work():
                           "moe_intermediate_size": 32, "num_experts_per_tok": 4, "num_attention_heads": 4,
                           "vocab_size": 100}, 10)
     assert moe.inter == 128  # the active experts' width
+    mixtral = prior.Shape.of({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 224,
+                              "num_local_experts": 8, "num_experts_per_tok": 2, "num_attention_heads": 4,
+                              "vocab_size": 100}, 10)
+    assert mixtral.inter == 448  # experts named by intermediate_size: still the active ones
     assert prior.Shape.of({"hidden_size": 64}, 1) is None

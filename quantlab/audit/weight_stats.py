@@ -67,9 +67,15 @@ SQNR_SLACK_DB, COSINE_SLACK, SPREAD_SLACK = 1.0, 0.01, 0.02  # an export this cl
 
 def as_good_as_format(row: dict) -> bool:
     """Whether a layer's statistics are as good as its format's own round-to-nearest of the same weights
-    (row["format_rtn"], format_baseline()): within 1 dB of SQNR, 0.01 of cosine, and a column spread at most 1.25x
-    + 0.02 of it."""
+    (row["format_rtn"], format_baseline()): within 1 dB of SQNR, 0.01 of cosine, a column spread at most 1.25x + 0.02
+    of it, and the same gain within 5% (cosine and spread do not see a constant scale error, and on a layer this
+    noisy the SQNR slack would absorb one of 15-25%). Never for non-finite statistics."""
+    from quantlab.audit.bounds import GAIN_WARN
+
     base = row.get("format_rtn")
-    return bool(base) and row["sqnr_db"] >= base["sqnr_db"] - SQNR_SLACK_DB \
+    if not base or base["sqnr_db"] <= -SQNR_CAP + 1 or base["cosine"] <= 0 or base["gain"] <= 0:
+        return False
+    return row["sqnr_db"] >= base["sqnr_db"] - SQNR_SLACK_DB \
         and row["cosine"] >= base["cosine"] - COSINE_SLACK \
-        and row["column_spread"] <= 1.25 * base["column_spread"] + SPREAD_SLACK
+        and row["column_spread"] <= 1.25 * base["column_spread"] + SPREAD_SLACK \
+        and abs(row["gain"] / base["gain"] - 1) <= GAIN_WARN

@@ -248,9 +248,9 @@ def _judge_weights(a: AuditState, stats: list[dict]) -> None:
     direction, noise, noisy, gain_bad, gain_warn = [], [], [], [], []
     limited = [r for r in stats if as_good_as_format(r)]  # beyond the bounds only as far as the format itself goes
     _format_limited(a, limited)
-    stats = [r for r in stats if not as_good_as_format(r)]
-    _judge_columns(a, stats)
-    for row in stats:
+    judged = [r for r in stats if not as_good_as_format(r)]
+    _judge_columns(a, judged)
+    for row in judged:
         b = weight_bounds(row["format"])
         if row["cosine"] < b.cosine_error:
             direction.append(row)

@@ -641,7 +641,7 @@ def attribution(results: dict, engine: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the steps
-def _units(r, tokens: int, what: str) -> dict | None:
+def _units(r, tokens: int, what: str, engine: str | None = None) -> dict | None:
     """The work units (quantlab.prior) of the reference's (what="reference": the whole run's, "reference-block": one
     block's) or a candidate's ("run", "block") evaluation of tokens; a whole run adds the generations and, for a
     candidate, the first look again (numerics)."""
@@ -655,7 +655,10 @@ def _units(r, tokens: int, what: str) -> dict | None:
     prompts = min(cfg.eval.gen_prompts, evalset.num_windows) if whole and cfg.eval.gen_tokens else 0
     if what.startswith("reference"):
         return prior.reference(shape, tokens, evalset.seq_len, cfg.eval.batch_size, (prompts, cfg.eval.gen_tokens))
-    look = cfg.gate.statistical.look_windows * evalset.seq_len if what == "run" and cfg.eval.numerics else 0
+    if engine == "served":  # a server's time is its own machine's: nothing here prices it
+        return None
+    numerics = what == "run" and cfg.eval.numerics and engine == r.ctx.engine.name  # the main engine's only
+    look = cfg.gate.statistical.look_windows * evalset.seq_len if numerics else 0
     return prior.evaluation(shape, tokens, evalset.seq_len, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens))
 
 
@@ -690,6 +693,7 @@ def reference_step(ctx: RunContext) -> Step:
         return "reference", ctx.store.key("reference", base=r.key("reference"), block=0)
 
     return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
+                store_stage="reference",
                 target=False,
                 work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
                                           _run_tokens(r), units=_units(r, _run_tokens(r), "reference")))
@@ -725,7 +729,7 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
             memo[spec.name] = CandidateBlocks(
                 spec, candidate_identity(spec, r), r.value("reference"), lambda: build_engine(spec, r), limits(r),
                 lambda n: costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", params,
-                                     n * evalset.seq_len, units=_units(r, n * evalset.seq_len, "block")))
+                                     n * evalset.seq_len, units=_units(r, n * evalset.seq_len, "block", spec.name)))
         return memo[spec.name]
 
     def build(_out, r) -> EvalResult:
@@ -762,7 +766,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         from quantlab.stages.quantize import recipe_label
 
         return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
-                          r.value("prepare").num_params, _run_tokens(r), units=_units(r, _run_tokens(r), "run"))
+                          r.value("prepare").num_params, _run_tokens(r),
+                          units=_units(r, _run_tokens(r), "run", spec.name))
 
     needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
     return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,
