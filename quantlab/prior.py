@@ -230,11 +230,12 @@ COEFFICIENTS = {
         "evaluate": {"fixed": 6.0, "flops": 3.0, "elements": 6.0, "launches": 4.0, "bytes": 0.5},
     },
 }
-# The quantized model's matmul time against the unquantized one's, per precision (fake-quant during calibration,
-# quantlab's engine during evaluation): on a CPU the engine emulates FP8 around float32 GEMMs.
+# The quantized layers' matmul time against the unquantized ones', per precision (fake-quant during calibration,
+# quantlab's engine during evaluation): on a CPU the engine emulates FP8 around float32 GEMMs. Fitted to the default
+# sweep on an idle 2-core EPYC (2026-12-07, bench/RESULTS.md); on a busy machine the engines slow down unevenly.
 PRECISION_FACTOR = {
-    "cpu": {"quantize": {"int8_sq": 1.8},
-            "evaluate": {"fp8": 2.8, "fp8_pc_pt": 2.8, "int4_awq": 3.5, "w4a8_awq": 4.0}},
+    "cpu": {"quantize": {"int8_sq": 1.4},
+            "evaluate": {"fp8": 1.75, "fp8_pc_pt": 1.75, "int8_sq": 1.3, "int4_awq": 0.9, "w4a8_awq": 1.1}},
     "cuda": {"quantize": {}, "evaluate": {}},
 }
 
