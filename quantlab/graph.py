@@ -311,17 +311,18 @@ class Pricer:
 
         if not hasattr(self, "_speed"):
             try:
-                self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype)
+                self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype,
+                                          f"{costs.machine_id()}|{costs.device_label(self.ctx.device)}")
             except Exception:  # noqa: BLE001 - advice only
                 self._speed = None
         return self._speed
 
     def _cold_work(self, name: str) -> dict | None:
-        """quantlab.prior.cold_work, None when it cannot price the step."""
-        from quantlab import prior
+        """quantlab.first_run.cold_work, None when it cannot price the step."""
+        from quantlab import first_run
 
         try:
-            return prior.cold_work(self, name)
+            return first_run.cold_work(self, name)
         except Exception:  # noqa: BLE001 - advice only
             return None
 

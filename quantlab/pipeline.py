@@ -121,7 +121,8 @@ class _Run:
         try:
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
-                self._speed = prior.speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
+                self._speed = prior.speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype,
+                                          f"{costs.machine_id()}|{costs.device_label(self.ctx.device)}")
             est = costs.estimate(self._history, step.directory, step.work(r), speed=self._speed)
             if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
                 ref = costs.estimate(self._history, "reference", self.steps_by_name["reference"].work(r),

@@ -74,12 +74,12 @@ def test_the_evaluation_text_is_priced_at_the_windows_it_gives():
     """Before the text is tokenized, the plan counts its windows from its characters (the default text's 61 windows
     of 512 tokens within 15%; a cap below that is the count) and prices what a passing run reads: the first look
     where its tail checks can pass (Gemma-3-270M at 256 tokens under a cap of 96 passed at look 8: 64 windows)."""
-    from quantlab import prior
+    from quantlab import first_run
 
-    assert abs(prior._cold_windows(compose(["+precision=fp8"])[0]) - 61) <= 9
-    assert prior._cold_windows(compose(["+precision=fp8", "eval.max_windows=16"])[0]) == 16
+    assert abs(first_run._cold_windows(compose(["+precision=fp8"])[0]) - 61) <= 9
+    assert first_run._cold_windows(compose(["+precision=fp8", "eval.max_windows=16"])[0]) == 16
     short = compose(["+precision=fp8", "eval.seq_len=256", "eval.max_windows=96"])[0]
-    assert prior._cold_windows(short) == 96 and prior._cold_windows(short, "fp8") == 64
+    assert first_run._cold_windows(short) == 96 and first_run._cold_windows(short, "fp8") == 64
 
 
 def test_the_a_priori_time_grows_with_the_work():
