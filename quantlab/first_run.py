@@ -1,24 +1,60 @@
-"""The plan of a machine's (or a model's) first run: the work of every step priced from the configuration alone,
-before anything it reads is built (quantlab.prior turns the work into seconds)."""
+"""What a step's work() reads of the run (quantlab.costs.work, priced by quantlab.prior): the model's shape and the
+tokens, from what is built or, on a machine's or a model's first run, before it is, from the configuration alone:
+the embedded model's declared shape (conf/model/*.yaml), num_samples x seq_len calibration tokens, the windows the
+evaluation text's characters give. The pipeline and the plan call the same work() functions."""
 from __future__ import annotations
 
-from quantlab.prior import Shape, audit, calibration, evaluation, export, reference
+from quantlab.prior import Shape
 
 CHARS_PER_TOKEN = 4.0  # characters of English prose and code per token (the default text: 4.2 with SmolLM2's)
 
 
-def _cold_shape(r) -> Shape | None:
-    """The model's shape before anything is built: the local checkpoint's config, else the embedded model's
-    declared shape (conf/model/*.yaml)."""
+def model(r) -> tuple[Shape | None, int, dict]:
+    """(shape, parameters, config) of the run's model: the prepared model's, else the embedded model's declared
+    shape; Pending (quantlab.step) when neither is known."""
     from quantlab.step import Pending
 
     try:
         ref = r.value("prepare")
-        return Shape.of(ref.config, ref.num_params)
+        return Shape.of(ref.config, ref.num_params), ref.num_params, ref.config
     except Pending:
         emb = r.ctx.cfg.model.embedded
-        hint = dict(emb.shape) if emb is not None and emb.shape else None
-        return Shape.of(hint, hint.get("params")) if hint else None
+        if emb is None or not emb.shape:
+            raise
+        hint = dict(emb.shape)
+        return Shape.of(hint, hint.get("params")), int(hint.get("params") or 0), hint
+
+
+def calib_tokens(r) -> int:
+    """Calibration tokens: the token set's, else num_samples x seq_len."""
+    from quantlab.step import Pending
+
+    try:
+        calib = r.value("data:calib")
+        return calib.num_windows * calib.seq_len
+    except Pending:
+        return r.ctx.cfg.calib.num_samples * r.ctx.cfg.calib.seq_len
+
+
+def eval_windows(r) -> int:
+    """Evaluation windows the text gives: the token set's, else estimated from its characters (_cold_windows)."""
+    from quantlab.step import Pending
+
+    try:
+        return r.value("data:eval").num_windows
+    except Pending:
+        return _cold_windows(r.ctx.cfg)
+
+
+def passing_tokens(r) -> int:
+    """The tokens a passing run's evaluation reads (gate.checks.passing_windows: the first look where its tail
+    checks can pass, all 61 windows of the default text; a failing run may stop earlier, an undecided one reads on to
+    the cap). Was: one look's windows, 8-20x too low for a passing run."""
+    from quantlab.gate.checks import passing_windows
+
+    cfg = r.ctx.cfg
+    return passing_windows(cfg.gate, r.ctx.precision.name, eval_windows(r), cfg.eval.max_windows,
+                           cfg.eval.seq_len) * cfg.eval.seq_len
 
 
 def _cold_windows(cfg, precision: str | None = None) -> int:
@@ -38,54 +74,3 @@ def _cold_windows(cfg, precision: str | None = None) -> int:
     if precision is None:
         return min(windows, cfg.eval.max_windows or windows)
     return passing_windows(cfg.gate, precision, windows, cfg.eval.max_windows, cfg.eval.seq_len)
-
-
-def cold_work(r, name: str) -> dict | None:
-    """The work() of step `name` when its inputs are not built yet (a machine's or a model's first run): the same
-    record from the configuration alone (the model's shape, num_samples x seq_len calibration tokens, the windows
-    the evaluation text gives); None for steps it cannot price."""
-    from quantlab import costs
-
-    cfg, ctx = r.ctx.cfg, r.ctx
-    shape = _cold_shape(r)
-    if shape is None:
-        return None
-    dev, recipe = costs.device_label(ctx.device), f"{ctx.precision.name}/kv={cfg.kv_cache.dtype}"
-    calib_tokens = cfg.calib.num_samples * cfg.calib.seq_len
-    eval_tokens = _cold_windows(cfg, ctx.precision.name) * cfg.eval.seq_len
-    if name in ("data:calib", "data:eval"):
-        from quantlab.stages import data
-
-        role = data.CALIB if name == "data:calib" else data.EVAL
-        try:
-            length = data.source(getattr(cfg, role.name), role).length
-        except Exception:  # noqa: BLE001
-            return None
-        return costs.work("cpu", role.name, size=length, units={"bytes": length})
-    if name == "quantize":
-        passes = costs.precision_passes(ctx.precision.name, {"hidden_size": shape.hidden,
-                                        "intermediate_size": shape.inter, "num_attention_heads": shape.heads,
-                                        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim},
-                                        cfg.calib.seq_len)
-        return costs.work(dev, recipe, shape.params, calib_tokens, passes=passes,
-                          units=calibration(shape, calib_tokens, cfg.calib.seq_len, cfg.calib.batch_size, passes))
-    if name == "export":
-        return costs.work(dev, recipe, shape.params, units=export(shape))
-    if name == "audit":
-        from quantlab.stages.audit import CANARY
-
-        return costs.work(dev, "audit", shape.params, units=audit(shape, CANARY["windows"], CANARY["tokens"]))
-    prompts = cfg.eval.gen_prompts if cfg.eval.gen_tokens else 0
-    if name == "reference":
-        return costs.work(dev, "reference", shape.params, eval_tokens,
-                          units=reference(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size,
-                                          (prompts, cfg.eval.gen_tokens)))
-    if name.startswith("evaluate:"):
-        if name == "evaluate:served":  # a server's time is its own machine's: nothing here prices it
-            return None
-        main = name == f"evaluate:{ctx.engine.name}"  # the numerics check runs for the gated engine only
-        look = cfg.gate.statistical.look_windows * cfg.eval.seq_len if cfg.eval.numerics and main else 0
-        return costs.work(dev, f"{name.split(':', 1)[1]}:{recipe}", shape.params, eval_tokens,
-                          units=evaluation(shape, eval_tokens, cfg.eval.seq_len, cfg.eval.batch_size, look,
-                                           (prompts, cfg.eval.gen_tokens)))
-    return None

@@ -317,14 +317,6 @@ class Pricer:
                 self._speed = None
         return self._speed
 
-    def _cold_work(self, name: str) -> dict | None:
-        """quantlab.first_run.cold_work, None when it cannot price the step."""
-        from quantlab import first_run
-
-        try:
-            return first_run.cold_work(self, name)
-        except Exception:  # noqa: BLE001 - advice only
-            return None
 
     def price(self, target_names: list[str]) -> list[Priced]:
         """Demand the targets, then one Priced row per step in run order, with an estimate from earlier builds for
@@ -340,8 +332,8 @@ class Pricer:
             if status == "build" and step.work is not None:
                 try:
                     want = step.work(self)
-                except Pending:  # its inputs are not built yet: priced from the configuration and the model's shape
-                    want = self._cold_work(name)
+                except Pending:  # nothing says what it reads yet (a local model that does not load)
+                    want = None
                 try:
                     estimate = (costs.estimate(self.history, step.directory, want, speed=self.speed()) if want
                                 else costs.Estimate(None, "?"))

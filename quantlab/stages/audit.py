@@ -69,11 +69,10 @@ def step(ctx: RunContext) -> Step:
         return AuditReport.from_dict(json.loads((art.path / REPORT).read_text(encoding="utf-8")))
 
     def work(r) -> dict:
-        from quantlab import prior
+        from quantlab import first_run, prior
 
-        ref = r.value("prepare")
-        shape = prior.Shape.of(ref.config, ref.num_params)
-        return costs.work(costs.device_label(ctx.device), "audit", ref.num_params,
+        shape, params, _ = first_run.model(r)
+        return costs.work(costs.device_label(ctx.device), "audit", params,
                           units=shape and prior.audit(shape, CANARY["windows"], CANARY["tokens"]))
 
     return Step("audit", "export", key, load, build, needs=("export", "prepare", "data:eval"), work=work,

@@ -732,9 +732,13 @@ def run(cfg: DataConfig, role: Role, model_fp: str, tokenizer, store: ArtifactSt
     art, _ = store.get_or_build("data", ident.key, lambda out: build(cfg, role, ident, tokenizer, out, vocab),
                                 {"role": role.name, "recipe": ident.recipe, "model": model_fp},
                                 describe=f"tokenizing {role.name} data",
-                                cost=costs.work("cpu", role.name, size=ident.source.length,
-                                                units={"bytes": ident.source.length}))
+                                cost=_cost(role, ident.source.length))
     return load(art, role)
+
+
+def _cost(role: Role, chars: int) -> dict:
+    """A tokenization's cost record: characters of the source (quantlab.prior prices them as bytes)."""
+    return costs.work("cpu", role.name, size=chars, units={"bytes": chars})
 
 
 # ------------------------------------------------------------------------------------------- the step
@@ -757,6 +761,16 @@ def step(ctx: RunContext, role: Role) -> Step:
                                           role.name)
         return memo[role.name][0]
 
+    def length(r) -> int:
+        """The source's characters (what tokenizing costs): its key's, or before the model is prepared (a first
+        run's plan) the source itself."""
+        from quantlab.step import Pending
+
+        try:
+            return ident(r).source.length
+        except Pending:
+            return source(getattr(ctx.cfg, role.name), role).length
+
     def ident(r) -> DataKey:
         memo = ctx.memo.setdefault("data_keys", {})
         if role.name not in memo:
@@ -774,7 +788,6 @@ def step(ctx: RunContext, role: Role) -> Step:
         return tokens
 
     return Step(name, "data", lambda r: ident(r).key, load_step, build_step,
-                needs=("prepare",), work=lambda r: costs.work("cpu", role.name, size=ident(r).source.length,
-                                                              units={"bytes": ident(r).source.length}),
+                needs=("prepare",), work=lambda r: _cost(role, length(r)),
                 manifest=lambda r: {"role": role.name, "recipe": ident(r).recipe, "model": r.fingerprint("prepare")},
                 describe=f"tokenizing {role.name} data", cheap=True)

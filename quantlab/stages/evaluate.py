@@ -645,33 +645,35 @@ def _units(r, tokens: int, what: str, engine: str | None = None) -> dict | None:
     """The work units (quantlab.prior) of the reference's (what="reference": the whole run's, "reference-block": one
     block's) or a candidate's ("run", "block") evaluation of tokens; a whole run adds the generations and, for a
     candidate, the first look again (numerics)."""
-    from quantlab import prior
+    from quantlab import first_run, prior
 
-    ref, evalset, cfg = r.value("prepare"), r.value("data:eval"), r.ctx.cfg
-    shape = prior.Shape.of(ref.config, ref.num_params)
+    shape, cfg = first_run.model(r)[0], r.ctx.cfg
     if shape is None:
         return None
+    seq = cfg.eval.seq_len
     whole = what in ("run", "reference")
-    prompts = min(cfg.eval.gen_prompts, evalset.num_windows) if whole and cfg.eval.gen_tokens else 0
+    prompts = min(cfg.eval.gen_prompts, first_run.eval_windows(r)) if whole and cfg.eval.gen_tokens else 0
     if what.startswith("reference"):
-        return prior.reference(shape, tokens, evalset.seq_len, cfg.eval.batch_size, (prompts, cfg.eval.gen_tokens))
+        return prior.reference(shape, tokens, seq, cfg.eval.batch_size, (prompts, cfg.eval.gen_tokens))
     if engine == "served":  # a server's time is its own machine's: nothing here prices it
         return None
     numerics = what == "run" and cfg.eval.numerics and engine == r.ctx.engine.name  # the main engine's only
-    look = cfg.gate.statistical.look_windows * evalset.seq_len if numerics else 0
-    return prior.evaluation(shape, tokens, evalset.seq_len, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens))
+    look = cfg.gate.statistical.look_windows * seq if numerics else 0
+    return prior.evaluation(shape, tokens, seq, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens))
+
+
+def _params(r) -> int:
+    """The model's parameters (quantlab.first_run.model: the declared ones before the conversion)."""
+    from quantlab import first_run
+
+    return first_run.model(r)[1]
 
 
 def _run_tokens(r) -> int:
-    """The tokens the plan prices an evaluation at: the windows a passing run reads (gate.checks.passing_windows:
-    the first look where its tail checks can pass, all 61 windows of the default text; a failing run may stop
-    earlier, an undecided one reads on to the cap). Was: one look's windows, 8-20x too low for a passing run."""
-    from quantlab.gate.checks import passing_windows
+    """The tokens the plan prices an evaluation at (quantlab.first_run.passing_tokens)."""
+    from quantlab import first_run
 
-    evalset, cfg = r.value("data:eval"), r.ctx.cfg
-    windows = passing_windows(cfg.gate, r.ctx.precision.name, evalset.num_windows, cfg.eval.max_windows,
-                              evalset.seq_len)
-    return windows * evalset.seq_len
+    return first_run.passing_tokens(r)
 
 
 def reference_step(ctx: RunContext) -> Step:
@@ -695,8 +697,8 @@ def reference_step(ctx: RunContext) -> Step:
     return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
                 store_stage="reference",
                 target=False,
-                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", r.value("prepare").num_params,
-                                          _run_tokens(r), units=_units(r, _run_tokens(r), "reference")))
+                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", _params(r), _run_tokens(r),
+                                          units=_units(r, _run_tokens(r), "reference")))
 
 
 def candidate_identity(spec: EngineSpec, r) -> str:
@@ -765,9 +767,8 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
     def work(r) -> dict:
         from quantlab.stages.quantize import recipe_label
 
-        return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}",
-                          r.value("prepare").num_params, _run_tokens(r),
-                          units=_units(r, _run_tokens(r), "run", spec.name))
+        return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", _params(r),
+                          _run_tokens(r), units=_units(r, _run_tokens(r), "run", spec.name))
 
     needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
     return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,

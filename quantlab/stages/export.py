@@ -100,12 +100,11 @@ def step(ctx: RunContext) -> Step:
         return write(r.value("quantize").take(), r.value("prepare").path, out, ctx.precision.quant_algo, ctx.kv_algo)
 
     def work(r) -> dict:
-        from quantlab import prior
+        from quantlab import first_run, prior
         from quantlab.stages.quantize import recipe_label
 
-        ref = r.value("prepare")
-        shape = prior.Shape.of(ref.config, ref.num_params)
-        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), ref.num_params,
+        shape, params, _ = first_run.model(r)
+        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), params,
                           units=shape and prior.export(shape))
 
     # keyed by the calibration's key, not its files: a cached export needs no calibrated state on disk

@@ -327,14 +327,13 @@ def step(ctx: RunContext) -> Step:
                           built.value if built else None)
 
     def work(r) -> dict:
-        from quantlab import prior
+        from quantlab import first_run, prior
 
-        calib, ref = r.value("data:calib"), r.value("prepare")
-        passes = costs.precision_passes(ctx.precision.name, ref.config, calib.seq_len)
-        shape = prior.Shape.of(ref.config, ref.num_params)
-        tokens = calib.num_windows * calib.seq_len
-        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), ref.num_params, tokens, passes=passes,
-                          units=shape and prior.calibration(shape, tokens, calib.seq_len, cfg.calib.batch_size,
+        shape, params, config = first_run.model(r)
+        tokens = first_run.calib_tokens(r)
+        passes = costs.precision_passes(ctx.precision.name, config, cfg.calib.seq_len)
+        return costs.work(costs.device_label(ctx.device), recipe_label(ctx), params, tokens, passes=passes,
+                          units=shape and prior.calibration(shape, tokens, cfg.calib.seq_len, cfg.calib.batch_size,
                                                             passes))
 
     def manifest(r) -> dict:
