@@ -181,6 +181,17 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
     return Estimate(seconds, f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, scaled linearly", rough)
 
 
+def machine_speed(root, device, dtype) -> dict | None:
+    """This machine's measured speed for a run's device and dtype (quantlab.prior.speed, kept in the cache root),
+    None when it cannot be measured: what estimate() prices a-priori with. device: a quantlab.env.Device."""
+    from quantlab import prior
+
+    try:
+        return prior.speed(root, device, dtype, f"{machine_id()}|{device_label(device)}")
+    except Exception:  # noqa: BLE001 - advice only: an estimate never fails a run or a plan
+        return None
+
+
 def _apriori(stage: str, want: dict, speed: dict | None) -> Estimate:
     """A build no earlier build on this machine predicts: its work units at the machine's measured speed."""
     from quantlab import prior

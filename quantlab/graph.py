@@ -307,16 +307,9 @@ class Pricer:
 
     def speed(self) -> dict | None:
         """This machine's speed for the run's device and dtype (quantlab.prior; measured once per process)."""
-        from quantlab import prior
-
         if not hasattr(self, "_speed"):
-            try:
-                self._speed = prior.speed(self.store.root, self.ctx.device, self.ctx.dtype,
-                                          f"{costs.machine_id()}|{costs.device_label(self.ctx.device)}")
-            except Exception:  # noqa: BLE001 - advice only
-                self._speed = None
+            self._speed = costs.machine_speed(self.store.root, self.ctx.device, self.ctx.dtype)
         return self._speed
-
 
     def price(self, target_names: list[str]) -> list[Priced]:
         """Demand the targets, then one Priced row per step in run order, with an estimate from earlier builds for

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from quantlab import costs, preflight, prior, progress, rundir
+from quantlab import costs, preflight, progress, rundir
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import Config
 from quantlab.engines.registry import check_kernel_names
@@ -93,7 +93,7 @@ class _Run:
         self.runlog: progress.RunLog | None = None
         self._history: list[dict] | None = None
         self.planned: dict[str, dict] = {}  # step -> the seconds predicted as its build started, and from what
-        self._speed: dict | None = None  # this machine's speed (quantlab.prior), measured once per machine
+        self._speed: dict | None = None  # this machine's speed (quantlab.prior), measured once per process
         self.steps_by_name = {s.name: s for s in self.steps}
 
     def reported(self, step: Step) -> Step:
@@ -121,12 +121,11 @@ class _Run:
         try:
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
-                self._speed = prior.speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype,
-                                          f"{costs.machine_id()}|{costs.device_label(self.ctx.device)}")
+                self._speed = costs.machine_speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
             est = costs.estimate(self._history, step.directory, step.work(r), speed=self._speed)
             if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
-                ref = costs.estimate(self._history, "reference", self.steps_by_name["reference"].work(r),
-                                     speed=self._speed)  # the evaluation builds the reference's outputs lazily
+                reference = self.steps_by_name["reference"]  # the evaluation builds the reference's outputs lazily
+                ref = costs.estimate(self._history, reference.directory, reference.work(r), speed=self._speed)
                 est = costs.Estimate(est.seconds + ref.seconds, est.basis, est.rough or ref.rough) if ref.known \
                     else costs.Estimate(None, ref.basis)
         except Exception:  # noqa: BLE001 - an estimate is advice; never fail a step over it
