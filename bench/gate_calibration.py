@@ -1,8 +1,8 @@
 """Calibration of the gate by simulation on data shaped like real runs: type-I error and power of every check.
 
 Each simulated gate is a paired evaluation of S windows laid out as a real evaluation text lays them out (the
-documents of the windows in the look order quantlab.stages.data stores: the default pydoc text, 61 windows of 512
-tokens from 10 topics; WikiText-2 test, the first eval.max_windows (160) of 592 windows from 61 articles; or
+documents of the windows in the look order quantlab.stages.data stores: the default pydoc text, 70 windows of 512
+tokens from 26 documents (until 2026-12-07 61 windows from 10 topics: layout "pydoc_hash"); WikiText-2 test, the first eval.max_windows (160) of 592 windows from 61 articles; or
 independent windows), with per-window values of the default checks (three means, three tails) drawn jointly per
 document:
 
@@ -41,7 +41,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-01" / "layouts.json"
+# the default text's layout since 2026-12-07 (pydoc topics of 800-10,000 characters); the earlier one (61 windows
+# from 10 topics, split by a hash of the name) is kept in its layouts as "pydoc_hash" for comparison
+LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-07" / "layouts.json"
+EARLIER_LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-01" / "layouts.json"
 
 # the default gate (conf/gate/default.yaml, fp8 thresholds): name -> (metric key, threshold, higher is better)
 CHECKS = {"ppl_ratio": ("dnll", math.log(1.10), False), "top1_agreement": ("agree", 0.80, True),
@@ -80,6 +83,8 @@ def make_layouts(path: Path) -> dict:
         order = data.look_order(window_docs, cfg.eval.seed)
         out[name] = {"windows": int(n_full), "cap": int(min(n_full, cfg.eval.max_windows)),
                      "docs_in_order": window_docs[order].tolist(), "labels": docs.labels}
+    if EARLIER_LAYOUTS.is_file():
+        out["pydoc_hash"] = json.loads(EARLIER_LAYOUTS.read_text())["pydoc"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out

@@ -48,7 +48,7 @@ def eval_windows(r) -> int:
 
 def passing_tokens(r) -> int:
     """The tokens a passing run's evaluation reads (gate.checks.passing_windows: the first look where its tail
-    checks can pass, all 61 windows of the default text; a failing run may stop earlier, an undecided one reads on to
+    checks can pass, 64 of the default text's 70 windows; a failing run may stop earlier, an undecided one reads on to
     the cap). Was: one look's windows, 8-20x too low for a passing run."""
     from quantlab.gate.checks import passing_windows
 

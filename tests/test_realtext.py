@@ -160,6 +160,27 @@ def test_pydoc_topics_are_documents():
     assert text == data.read_text(cfg, data.EVAL)[0]
 
 
+def test_the_default_texts_parts_share_no_text_and_its_documents_are_distinct():
+    """pydoc's topics nest (`compound` holds `class`, `typesseq` holds `typesseq-mutable`): the evaluation part shares
+    no 128-character run with the calibration part (the split by a hash of the name shared 2.5% of it), and no
+    evaluation document lies even a quarter inside another one (the same text as two documents would be two
+    "independent" observations)."""
+    topics = {name: text.strip() for name, text in data.pydoc_topics().items()}
+    evals, calibs = data._pydoc_names(data.EVAL), data._pydoc_names(data.CALIB)
+    assert len(evals) >= 40 and calibs and not set(evals) & set(calibs)
+
+    def grams(text: str) -> set[str]:
+        return {text[i:i + 128] for i in range(max(1, len(text) - 127))}
+
+    calib_grams = set().union(*(grams(topics[n]) for n in calibs))
+    assert not any(grams(topics[n]) & calib_grams for n in evals)
+    by_name = {n: grams(topics[n]) for n in evals}
+    for a in evals:
+        for b in evals:
+            if a != b:
+                assert len(by_name[a] & by_name[b]) < 0.25 * len(by_name[a]), (a, b)
+
+
 def test_dataset_rows_are_documents_when_cached():
     datasets = pytest.importorskip("datasets")
     try:
