@@ -2,9 +2,9 @@
 
 Each simulated gate is a paired evaluation of S windows laid out as a real evaluation text lays them out (the
 documents of the windows in the look order quantlab.stages.data stores: the default pydoc text, 70 windows of 512
-tokens from 26 documents (until 2026-12-07 61 windows from 10 topics: layout "pydoc_hash"); WikiText-2 test, the first eval.max_windows (160) of 592 windows from 61 articles; or
-independent windows), with per-window values of the default checks (three means, three tails) drawn jointly per
-document:
+tokens from 26 documents (until 2026-12-07 61 windows from 10 topics: layout "pydoc_hash"); WikiText-2 test, the
+first eval.max_windows (160) of 592 windows from 61 articles; or independent windows), with per-window values of
+the default checks (three means, three tails) drawn jointly per document:
 
     value = level + sd * (sqrt(icc) * U_document + sqrt(1 - icc) * E_window)
 

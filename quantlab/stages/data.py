@@ -52,7 +52,7 @@ log = logging.getLogger("quantlab")
 # (57 distinct documents of 79 topics). Evaluation: the groups whose longest topic has PYDOC_EVAL_CHARS characters
 # (SmolLM2: 70 windows of 512 tokens, 26 documents holding windows, Satterthwaite df 6.5); calibration: the others,
 # the longest topics among them. Until 2026-12-07 the parts were cut by a hash of the name (80% calibration): 61
-# windows held by 10 topics, two of them the same text, df 2.9, and 2.5% of the evaluation text in calibration topics too.
+# windows held by 10 topics, two of them the same text, df 2.9, and 2.5% of the evaluation text in calibration too.
 PYDOC_EVAL_CHARS = (400, 22_000)
 PYDOC_SHARED_CHARS = 120
 CHUNK_CHARS = 1 << 20  # characters tokenized at a time
