@@ -94,6 +94,7 @@ class _Run:
         self._history: list[dict] | None = None
         self.planned: dict[str, dict] = {}  # step -> the seconds predicted as its build started, and from what
         self._speed: dict | None = None  # this machine's speed (quantlab.prior), measured once per process
+        self._units: dict[str, dict | None] = {}  # per step: the work units its a-priori estimate priced
         self.steps_by_name = {s.name: s for s in self.steps}
 
     def reported(self, step: Step) -> Step:
@@ -103,6 +104,10 @@ class _Run:
             expected, basis = self.expected(step, r)
             self.planned[step.name] = {"planned_s": None if expected is None else round(expected, 2),
                                        "basis": basis or "nothing predicts it (no earlier build, no cost model)"}
+            if basis.startswith("a-priori"):  # what it was priced from, so a plan can be refitted from run.json
+                self.planned[step.name]["priced"] = self._units.get(step.name)
+                if self._units.get(f"{step.name} reference"):  # the evaluation also builds the reference's outputs
+                    self.planned[step.name]["priced_reference"] = self._units[f"{step.name} reference"]
             with progress.library_output(), progress.task(step.describe or step.name, expected=expected,
                                                           basis=basis, separate=True):
                 return _build(out, r)
@@ -122,10 +127,14 @@ class _Run:
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
                 self._speed = costs.machine_speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
-            est = costs.estimate(self._history, step.directory, step.work(r), speed=self._speed)
+            work = step.work(r)
+            self._units[step.name] = _priced(work)
+            est = costs.estimate(self._history, step.directory, work, speed=self._speed)
             if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
                 reference = self.steps_by_name["reference"]  # the evaluation builds the reference's outputs lazily
-                ref = costs.estimate(self._history, reference.directory, reference.work(r), speed=self._speed)
+                ref_work = reference.work(r)
+                self._units[f"{step.name} reference"] = _priced(ref_work)
+                ref = costs.estimate(self._history, reference.directory, ref_work, speed=self._speed)
                 est = costs.Estimate(est.seconds + ref.seconds, est.basis, est.rough or ref.rough) if ref.known \
                     else costs.Estimate(None, ref.basis)
         except Exception:  # noqa: BLE001 - an estimate is advice; never fail a step over it
@@ -330,8 +339,17 @@ class _Run:
             self.record["library_warnings"] = dict(self.runlog.warnings.counts)
         self.record["stage_seconds"] = run.seconds
         self.record["plan"] = plan_vs_actual(self.planned, run.seconds)
+        if self._speed:
+            self.record["plan"]["machine_speed"] = self._speed
         self.record["events"] = [{"stage": s, "key": k, "action": a} for s, k, a in run.store.events]
         return finish(self.run_dir, self.record, self.start, code, what, doc)
+
+
+def _priced(work) -> dict | None:
+    """What an a-priori estimate prices (quantlab.prior.seconds' arguments): the work units, device and variant."""
+    if not isinstance(work, dict) or not work.get("units"):
+        return None
+    return {"units": work["units"], "device": work.get("device"), "variant": work.get("variant")}
 
 
 def plan_vs_actual(planned: dict[str, dict], seconds: dict[str, float]) -> dict:

@@ -273,9 +273,18 @@ def test_run_json_records_the_plan_beside_what_each_step_took(tiny_llama, tmp_pa
     first_plan = read_json(tmp_path / "outputs" / "a" / "run.json")["plan"]
     assert {"quantize", "export"} <= set(first_plan["steps"])  # the first run built them
     assert all(row["basis"] for row in first_plan["steps"].values())  # every prediction says what it came from
+    from quantlab import prior
+
+    speed = first_plan["machine_speed"]
     for name in ("quantize", "export", "audit", "evaluate:torch"):  # an empty cache: priced from the model's shape
         row = first_plan["steps"][name]
         assert row["planned_s"] and row["planned_s"] > 0 and "a-priori" in row["basis"], (name, row)
+        # what it was priced from is recorded: the figure comes back from run.json alone (a plan can be refitted)
+        parts = [row["priced"]] + ([row["priced_reference"]] if "priced_reference" in row else [])
+        stages = [name.split(":")[0]] + ["reference"] * (len(parts) - 1)
+        again = sum(prior.seconds(stage, p["units"], p["device"].split(":")[0], speed, variant=p["variant"] or "")
+                    for stage, p in zip(stages, parts, strict=True))
+        assert abs(again - row["planned_s"]) <= 0.01 + 1e-3 * row["planned_s"], (name, row, again)
 
 
 # ------------------------------------------------------------------------------- the cheapest refusal comes first
