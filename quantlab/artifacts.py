@@ -32,7 +32,9 @@ SCHEMA_VERSION = 1
 
 def default_cache_dir() -> Path:
     """The artifact store: $QUANTLAB_CACHE, else ~/.cache/quantlab."""
-    env = os.environ.get("QUANTLAB_CACHE")
+    from quantlab.config import env_cache_dir
+
+    env = env_cache_dir()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "quantlab"
 
 

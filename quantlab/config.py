@@ -7,6 +7,7 @@ No field names the mode, so nothing can claim one mode while another runs.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -14,6 +15,21 @@ from typing import Dict, List, Optional
 from omegaconf import MISSING
 
 from quantlab.gate.config import GateConfig
+
+# The two environment variables quantlab reads outside Hydra (process settings, not a run's: the engine's kernel
+# switches are engine.kernels.*, quantlab/engines/registry.py)
+ENV_CACHE = "QUANTLAB_CACHE"  # the artifact store's directory when cache_dir is not set
+ENV_PROGRESS = "QUANTLAB_PROGRESS"  # auto | lines | off: how progress is shown on stderr
+
+
+def env_cache_dir() -> str | None:
+    """$QUANTLAB_CACHE: the artifact store's directory when cache_dir is not set (None when unset or empty)."""
+    return os.environ.get(ENV_CACHE) or None
+
+
+def env_progress_mode() -> str:
+    """$QUANTLAB_PROGRESS, lower-cased: auto (the default), lines or off."""
+    return os.environ.get(ENV_PROGRESS, "auto").strip().lower()
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -196,7 +196,9 @@ class Console:
         self.last_line = 0.0  # when the last plain line was written
         self.drawn = False  # a redrawn line is on the terminal now
         self._ticker: threading.Thread | None = None
-        self.mode = os.environ.get("QUANTLAB_PROGRESS", "auto").strip().lower()
+        from quantlab.config import env_progress_mode
+
+        self.mode = env_progress_mode()
 
     @property
     def stream(self):
