@@ -5,28 +5,17 @@ separate timing puts back, and where its models come from (the GPU numbers thems
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import bench_module
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "decode.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("_bench_decode_logic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from bench_module("decode.py", "_bench_decode_logic")
 
 
 def _row(ms: float, compiled: bool = True, prefill: float | None = None, **extra) -> dict:

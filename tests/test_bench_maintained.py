@@ -4,33 +4,19 @@ from the export layout (through torch's CPU int4 mm they give back the dequantiz
 decision that prefers a maintained kernel only where it meets the contract at ours' speed or better."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from _scripts import bench_module
 
 from quantlab.engines.kernels import int4
-
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "maintained_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def mk():
-    path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("_bench_maintained_logic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from bench_module("maintained_kernels.py", "_bench_maintained_logic")
 
 
 def _layer(n=32, k=256, group=128, seed=0):
