@@ -41,7 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-# the default text's layout since 2026-12-07 (pydoc topics of 800-10,000 characters); the earlier one (61 windows
+# the default text's layout since 2026-12-07 (quantlab/stages/pydoc_text.py's groups); the earlier one (61 windows
 # from 10 topics, split by a hash of the name) is kept in its layouts as "pydoc_hash" for comparison
 LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-07" / "layouts.json"
 EARLIER_LAYOUTS = REPO / "bench" / "results" / "cpu-2026-12-01" / "layouts.json"
@@ -684,7 +684,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=[], help="metrics.json files of real runs (skewness, ICC)")
     ap.add_argument("--out", help="write every row as JSON here")
     ap.add_argument("--cap", type=int, help="windows evaluated at most on WikiText-2 and independent windows (the "
-                    "default text has 61): the window count a rare share of bad windows needs (issue 24)")
+                    "default text has 70): the window count a rare share of bad windows needs (issue 24)")
     args = ap.parse_args()
     if args.cap:
         CAP.update(wikitext2=args.cap, independent=args.cap)

@@ -111,8 +111,8 @@ def fingerprint_files(root: Path, files: Iterable[Path] | None = None,
         if p.name == MANIFEST:
             continue
         name = p.relative_to(root).as_posix()
-        earlier = (like or {}).get(name)
-        out[name] = sha256_file(p, tree=None if earlier is None else earlier.startswith(TREE_PREFIX))
+        earlier = like.get(name) if isinstance(like, dict) else None
+        out[name] = sha256_file(p, tree=earlier.startswith(TREE_PREFIX) if isinstance(earlier, str) else None)
     return out
 
 
@@ -258,7 +258,7 @@ class ArtifactStore:
                     changed = sorted(set(expected) ^ set(actual)
                                      | {k for k in expected if actual.get(k) != expected[k]})
                     raise ValueError(f"files changed since they were written: {', '.join(changed[:5])}")
-        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             log.warning("cache entry %s/%s is damaged (%s); rebuilding it", stage, key, exc)
             self._discard(path)
             return None

@@ -10,7 +10,7 @@ import pytest
 from quantlab.gate import checks, stats
 from quantlab.gate.config import Threshold
 
-# the default pydoc text's layout: 61 windows from 10 topics (sizes as in bench/results/cpu-2026-12-01/layouts.json)
+# the default pydoc text's layout until 2026-12-07: 61 windows, 10 topics (bench/results/cpu-2026-12-01/layouts.json)
 SIZES = (17, 13, 11, 5, 5, 3, 3, 2, 1, 1)
 
 

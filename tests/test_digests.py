@@ -1,5 +1,6 @@
 """The store's file digests: a large file is digested as a tree of segments hashed in parallel, the digest names its
-scheme, a manifest written with the other scheme still verifies, and a changed byte is still found."""
+scheme, a manifest written with the other scheme still verifies, a changed byte is found under either, and a
+manifest with a digest that is not a string is damage, not a crash."""
 from __future__ import annotations
 
 import hashlib
@@ -44,6 +45,13 @@ def test_a_manifest_of_either_scheme_verifies_and_a_changed_byte_is_found(tmp_pa
     assert files["big.bin"].startswith(TREE_PREFIX) and not files["small.json"].startswith(TREE_PREFIX)
     assert store.load("export", "k1") is not None
 
+    # a byte changed under a tree-digest manifest is found: the entry is discarded and built again
+    _flip(art.path / "big.bin", 5)
+    assert store.load("export", "k1") is None
+    art, built = store.get_or_build("export", "k1", build, {})
+    assert built is not None and store.load("export", "k1") is not None
+    files = art.manifest["files"]
+
     # a manifest written before tree digests (plain sha256 of the large file) still verifies: not rebuilt
     manifest_path = art.path / artifacts.MANIFEST
     manifest = art.manifest
@@ -52,10 +60,23 @@ def test_a_manifest_of_either_scheme_verifies_and_a_changed_byte_is_found(tmp_pa
     assert fingerprint_files(art.path, like=manifest["files"]) == manifest["files"]
     assert store.load("export", "k1") is not None
 
-    # one byte changed in the last segment: found under either scheme, the entry is discarded
-    with open(art.path / "big.bin", "r+b") as f:
-        f.seek(TREE_SEGMENT + 3)
-        byte = f.read(1)
-        f.seek(TREE_SEGMENT + 3)
-        f.write(bytes([byte[0] ^ 1]))
+    # one byte changed in the last segment under the plain-sha256 manifest: found too, the entry is discarded
+    _flip(art.path / "big.bin", TREE_SEGMENT + 3)
     assert store.load("export", "k1") is None
+
+
+def test_a_manifest_with_a_digest_of_the_wrong_type_is_damaged_not_a_crash(tmp_path):
+    store = ArtifactStore(tmp_path / "cache")
+    art, _ = store.get_or_build("export", "k2", lambda out: _file(out / "a.json", 10) and {}, {})
+    manifest = art.manifest
+    manifest["files"] = {"a.json": 5}
+    (art.path / artifacts.MANIFEST).write_text(artifacts.canonical_json(manifest))
+    assert store.load("export", "k2") is None  # reported damaged and moved aside, as any other damage
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))

@@ -172,6 +172,9 @@ def test_the_default_texts_parts_share_no_text_and_its_documents_are_distinct():
     def grams(text: str) -> set[str]:
         return {text[i:i + 128] for i in range(max(1, len(text) - 127))}
 
+    # calibration keeps enough text for ModelOpt's examples' 32 windows of 2048 tokens (at 4 characters a token;
+    # SmolLM2: 73.6k tokens, 35 such windows; its distinct documents alone, nested topics dropped, would give 26)
+    assert sum(len(topics[n]) for n in calibs) >= 32 * 2048 * 4
     calib_grams = set().union(*(grams(topics[n]) for n in calibs))
     assert not any(grams(topics[n]) & calib_grams for n in evals)
     by_name = {n: grams(topics[n]) for n in evals}

@@ -3,7 +3,7 @@ r"""data: calibration and evaluation token windows from a recipe, read and token
 Sources, first match wins: `path` (a local file: plain text, JSON Lines, a JSON array of records, CSV / TSV or
 Parquet, recognized by suffix, case-insensitively, or set with `format`), `dataset` (HF datasets, where available
 locally), else the documentation text Python ships (pydoc_data.topics of Python 3.11.7, packaged with quantlab),
-split by topic name into a calibration part and an evaluation part.
+cut into groups of topics that share text, each group calibration or evaluation text (quantlab/stages/pydoc_text.py).
 
 Documents are joined with "\n\n" and tokenized as one text, in chunks of about a million characters cut at
 whitespace (the tokenizer's leading special tokens once, at the start), and cut into non-overlapping windows of

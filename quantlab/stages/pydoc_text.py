@@ -10,9 +10,11 @@ from typing import Iterator
 # `class`, ...; `typesseq` holds `typesseq-mutable`), so topics sharing a paragraph of PYDOC_SHARED_CHARS or more are
 # one group, held by one part, and a topic with half its paragraph text inside a longer topic of its group is left out
 # (57 distinct documents of 79 topics). Evaluation: the groups whose longest topic has PYDOC_EVAL_CHARS characters
-# (SmolLM2: 70 windows of 512 tokens, 26 documents holding windows, Satterthwaite df 6.5); calibration: the others,
-# the longest topics among them. Until 2026-12-07 the parts were cut by a hash of the name (80% calibration): 61
-# windows held by 10 topics, two of them the same text, df 2.9, and 2.5% of the evaluation text in calibration too.
+# (SmolLM2: 70 windows of 512 tokens, 26 documents holding windows, Satterthwaite df 6.5); calibration: every topic
+# of the other groups, nested ones included, the longest topics among them (SmolLM2: 73.6k tokens, 143 windows of
+# 512, 35 of 2048; the hash split gave 81.7k). Until 2026-12-07 the parts were cut by a hash of the name (80%
+# calibration): 61 windows held by 10 topics, two of them the same text, df 2.9, and 2.5% of the evaluation text in
+# calibration too.
 PYDOC_EVAL_CHARS = (400, 22_000)
 PYDOC_SHARED_CHARS = 120
 
@@ -39,8 +41,8 @@ def _paragraphs(text: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _pydoc_groups() -> dict[str, list[str]]:
-    """The packaged topics' groups (longest topic -> the group's documents, longest first): topics sharing a
+def _pydoc_groups() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The packaged topics' groups (longest topic -> (its topics, its documents), longest first): topics sharing a
     paragraph are one group; a topic whose paragraphs lie half (by characters) in a longer topic of its group is not
     a document of its own."""
     topics = {name: text.strip() for name, text in pydoc_topics().items()}
@@ -70,17 +72,23 @@ def _pydoc_groups() -> dict[str, list[str]]:
     groups = {}
     for names in members.values():
         names.sort(key=lambda n: (-len(topics[n]), n))
-        groups[names[0]] = [n for i, n in enumerate(names) if not any(inside(n, o) >= 0.5 for o in names[:i])]
+        documents = [n for i, n in enumerate(names) if not any(inside(n, o) >= 0.5 for o in names[:i])]
+        groups[names[0]] = (tuple(names), tuple(documents))
     return groups
 
 
 def _pydoc_names(role) -> list[str]:
-    """The role's documents (topics) in name order: evaluation the documents of the groups whose longest topic has
-    PYDOC_EVAL_CHARS characters, calibration those of the other groups (no text in both)."""
+    """The role's topics in name order: evaluation the documents of the groups whose longest topic has
+    PYDOC_EVAL_CHARS characters (each text once: the gate's documents), calibration every topic of the other groups
+    (nested topics too, as before the grouping: calibration samples windows of text, and the 32 x 2048-token windows
+    ModelOpt's examples calibrate with need about 65k tokens). No text is in both."""
     topics = pydoc_topics()
     low, high = PYDOC_EVAL_CHARS
-    names = [n for longest, docs in _pydoc_groups().items()
-             if (low <= len(topics[longest].strip()) < high) != role.sampled for n in docs]
+    names = []
+    for longest, (members, documents) in _pydoc_groups().items():
+        evaluated = low <= len(topics[longest].strip()) < high
+        if evaluated != role.sampled:
+            names += documents if evaluated else members
     return sorted(names)
 
 
