@@ -104,6 +104,9 @@ def record(stage: str, wall_time_s: float, cost: dict) -> dict:
     return {"machine": machine_id(), "stage": stage, "wall_time_s": wall_time_s, **cost}
 
 
+APRIORI = "a-priori"  # how an a-priori Estimate's basis starts
+
+
 @dataclass
 class Estimate:
     """A predicted build time and where it comes from (rough when predicted from another variant)."""
@@ -115,6 +118,11 @@ class Estimate:
     def known(self) -> bool:
         """Whether a figure could be predicted."""
         return self.seconds is not None
+
+    @property
+    def apriori(self) -> bool:
+        """Whether the figure is the cost model's alone (no earlier build on this machine predicts it)."""
+        return self.basis.startswith(APRIORI)
 
 
 def _passes_of(entry: dict) -> float | None:
@@ -194,38 +202,35 @@ def machine_speed(root, device, dtype) -> dict | None:
 
 def _apriori(stage: str, want: dict, speed: dict | None) -> Estimate:
     """A build no earlier build on this machine predicts: its work units at the machine's measured speed."""
-    from quantlab import prior
-
     units = want.get("units")
-    if not (units and speed):
-        return Estimate(None, "no earlier build on this machine")
-    seconds = prior.seconds(stage, units, str(want.get("device") or "cpu").split(":")[0], speed,
-                            variant=str(want.get("variant") or ""))
+    seconds = _prior_seconds(stage, units, want.get("variant"), want, speed) if units and speed else None
     if seconds is None:
         return Estimate(None, "no earlier build on this machine")
-    return Estimate(seconds, "a-priori: the model's size at this machine's measured speed (quantlab.prior)", True)
+    return Estimate(seconds, f"{APRIORI}: the model's size at this machine's measured speed (quantlab.prior)", True)
+
+
+def _prior_seconds(stage: str, units: dict, variant, want: dict, speed: dict) -> float | None:
+    """quantlab.prior.seconds of units at a record's variant, on want's device type."""
+    from quantlab import prior
+
+    device = str(want.get("device") or "cpu").split(":")[0]
+    return prior.seconds(stage, units, device, speed, variant=str(variant or ""))
 
 
 def _variant_ratio(entry: dict, want: dict, stage: str, speed: dict) -> float:
     """How much longer want's work takes at want's precision than at entry's (quantlab.prior's factors: FP8
     emulated on a CPU, SmoothQuant's statistics); 1 where it cannot say."""
-    from quantlab import prior
-
-    device = str(want.get("device") or "cpu").split(":")[0]
-    mine = prior.seconds(stage, want["units"], device, speed, variant=str(want.get("variant") or ""))
-    theirs = prior.seconds(stage, want["units"], device, speed, variant=str(entry.get("variant") or ""))
+    mine = _prior_seconds(stage, want["units"], want.get("variant"), want, speed)
+    theirs = _prior_seconds(stage, want["units"], entry.get("variant"), want, speed)
     return mine / theirs if mine and theirs else 1.0
 
 
 def _scale_units(entry: dict, want: dict, stage: str, speed: dict) -> float | None:
     """entry's wall time scaled to want by the ratio of their a-priori seconds (both records carry units)."""
-    from quantlab import prior
-
     if not entry.get("units"):
         return None
-    device = str(want.get("device") or "cpu").split(":")[0]
-    have = prior.seconds(stage, entry["units"], device, speed, variant=str(entry.get("variant") or ""))
-    need = prior.seconds(stage, want["units"], device, speed, variant=str(want.get("variant") or ""))
+    have = _prior_seconds(stage, entry["units"], entry.get("variant"), want, speed)
+    need = _prior_seconds(stage, want["units"], want.get("variant"), want, speed)
     return entry["wall_time_s"] * need / have if have and need else None
 
 

@@ -94,20 +94,16 @@ class _Run:
         self._history: list[dict] | None = None
         self.planned: dict[str, dict] = {}  # step -> the seconds predicted as its build started, and from what
         self._speed: dict | None = None  # this machine's speed (quantlab.prior), measured once per process
-        self._units: dict[str, dict | None] = {}  # per step: the work units its a-priori estimate priced
         self.steps_by_name = {s.name: s for s in self.steps}
 
     def reported(self, step: Step) -> Step:
         """The step with its build reported by quantlab.progress (label, ETA from earlier builds or the cost model)
         and what libraries print while it builds or loads sent to the run's log."""
         def build(out, r, _build=step.build):
-            expected, basis = self.expected(step, r)
+            expected, basis, priced = self.expected(step, r)
             self.planned[step.name] = {"planned_s": None if expected is None else round(expected, 2),
-                                       "basis": basis or "nothing predicts it (no earlier build, no cost model)"}
-            if basis.startswith("a-priori"):  # what it was priced from, so a plan can be refitted from run.json
-                self.planned[step.name]["priced"] = self._units.get(step.name)
-                if self._units.get(f"{step.name} reference"):  # the evaluation also builds the reference's outputs
-                    self.planned[step.name]["priced_reference"] = self._units[f"{step.name} reference"]
+                                       "basis": basis or "nothing predicts it (no earlier build, no cost model)",
+                                       **priced}
             with progress.library_output(), progress.task(step.describe or step.name, expected=expected,
                                                           basis=basis, separate=True):
                 return _build(out, r)
@@ -118,32 +114,36 @@ class _Run:
 
         return dataclasses.replace(step, build=build if step.build is not None else None, load=load)
 
-    def expected(self, step: Step, r) -> tuple[float | None, str]:
-        """A step's a-priori seconds (quantlab.costs over the cost records of earlier builds) and where it comes
-        from; (None, "") when nothing predicts it."""
+    def expected(self, step: Step, r) -> tuple[float | None, str, dict]:
+        """A step's a-priori seconds (quantlab.costs over the cost records of earlier builds), where it comes from,
+        and for a figure of the cost model alone what it priced (run.json's plan: "priced", and "priced_reference"
+        for an evaluation that also builds the reference's outputs), so a plan can be refitted from run.json;
+        (None, "", {}) when nothing predicts it."""
         if step.work is None:
-            return None, ""
+            return None, "", {}
         try:
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
                 self._speed = costs.machine_speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
             work = step.work(r)
-            self._units[step.name] = _priced(work)
+            priced = {"priced": _priced(work)}
             est = costs.estimate(self._history, step.directory, work, speed=self._speed)
             if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
                 reference = self.steps_by_name["reference"]  # the evaluation builds the reference's outputs lazily
                 ref_work = reference.work(r)
-                self._units[f"{step.name} reference"] = _priced(ref_work)
+                if _priced(ref_work):
+                    priced["priced_reference"] = _priced(ref_work)
                 ref = costs.estimate(self._history, reference.directory, ref_work, speed=self._speed)
                 est = costs.Estimate(est.seconds + ref.seconds, est.basis, est.rough or ref.rough) if ref.known \
                     else costs.Estimate(None, ref.basis)
         except Exception:  # noqa: BLE001 - an estimate is advice; never fail a step over it
-            return None, ""
+            return None, "", {}
         if not est.known:
-            return None, ""
-        return est.seconds, ("a-priori, from the model's size and this machine's speed" if "a-priori" in est.basis
-                             else "from other builds and the cost model" if est.rough
-                             else "from earlier builds on this machine")
+            return None, "", {}
+        if est.apriori:
+            return est.seconds, "a-priori, from the model's size and this machine's speed", priced
+        return est.seconds, ("from other builds and the cost model" if est.rough
+                             else "from earlier builds on this machine"), {}
 
     def _reference_cached(self, r) -> bool:
         """Whether the reference's first block of outputs is in the store (else the evaluation computes it)."""

@@ -137,10 +137,10 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
         summary += f" ({no_history} with no earlier build on this machine to predict from, not counted)"
     summary += f"; reused: {reused} (cache or an earlier run of this sweep)"
     lines.append(summary)
-    if any(s.estimate and s.estimate.rough and "a-priori" not in s.estimate.basis for s in todo):
+    if any(s.estimate and s.estimate.rough and not s.estimate.apriori for s in todo):
         lines.append("  * predicted from other precisions, engines or models on this machine (calibration through "
                      "each precision's cost model, quantlab/costs.py): rough until this variant has a build of its own")
-    if any(s.estimate and "a-priori" in s.estimate.basis for s in todo):
+    if any(s.estimate and s.estimate.apriori for s in todo):
         lines.append("  * a-priori: no earlier build on this machine, priced from the model's shape (layers, hidden, "
                      "vocabulary, parameters), its tokens and this machine's measured speed (quantlab/prior.py)")
     for s in todo:

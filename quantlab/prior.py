@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 log = logging.getLogger("quantlab")
@@ -293,8 +293,7 @@ def _decode(shape: Shape, models: int, generate: tuple[int, int], quantized: boo
 
 
 def _sum(*parts: Units) -> Units:
-    return Units(*(sum(getattr(p, f) for p in parts)
-                   for f in ("flops", "elements", "launches", "bytes", "qflops")))
+    return Units(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(Units)})
 
 
 def reference(shape: Shape, tokens: int, seq_len: int, batch: int, generate: tuple[int, int] = (0, 0)) -> dict:

@@ -41,7 +41,7 @@ from quantlab import costs
 from quantlab.artifacts import ArtifactStore
 from quantlab.config import DataConfig
 from quantlab.errors import QuantlabError
-from quantlab.stages.pydoc_text import PYDOC_SNAPSHOT, _pydoc_docs, _pydoc_names, pydoc_topics  # noqa: F401
+from quantlab.stages.pydoc_text import _pydoc_docs, _pydoc_names, pydoc_topics
 from quantlab.step import RunContext, Step
 
 log = logging.getLogger("quantlab")

@@ -105,6 +105,11 @@ def _gguf_bytes(cfg: ModelConfig) -> int:
     return total
 
 
+def _conversion_work(cfg: ModelConfig, gguf: Path) -> dict:
+    """What converting the embedded GGUF costs (quantlab.costs.work): its bytes, on the CPU whatever the device."""
+    return costs.work("cpu", gguf.name, units={"bytes": _gguf_bytes(cfg)})
+
+
 def embedded_name(cfg: ModelConfig) -> str:
     """The embedded model's name, from the file it ships as
     ("SmolLM2-135M-Instruct.Q4_1.gguf" -> smollm2-135m-instruct)."""
@@ -197,7 +202,7 @@ def _embedded(cfg: ModelConfig, store: ArtifactStore) -> ModelRef:
     gguf = _embedded_file(cfg)
     art, _ = store.get_or_build("prepare", embedded_key(cfg, store), lambda out: _convert(cfg, gguf, out),
                                 {"model": embedded_name(cfg)}, describe=f"converting {gguf.name}",
-                                cost=costs.work("cpu", gguf.name, units={"bytes": _gguf_bytes(cfg)}))
+                                cost=_conversion_work(cfg, gguf))
     return _embedded_ref(cfg, art)
 
 
@@ -215,6 +220,6 @@ def step(ctx: RunContext) -> Step:
     gguf = _embedded_file(cfg)
     return Step("prepare", "prepare", lambda r: embedded_key(cfg, ctx.store),
                 lambda art, r, built: _embedded_ref(cfg, art), lambda out, r: _convert(cfg, gguf, out),
-                work=lambda r: costs.work("cpu", gguf.name, units={"bytes": _gguf_bytes(cfg)}),
+                work=lambda r: _conversion_work(cfg, gguf),
                 manifest=lambda r: {"model": embedded_name(cfg)},
                 describe=f"converting {gguf.name}", cheap=True)
