@@ -309,6 +309,10 @@ class ArtifactStore:
             try:
                 tmp.mkdir(parents=True)
                 start = time.time()
+                if cost is not None:
+                    from quantlab.costs import cpu_sample
+
+                    cpu_before = cpu_sample()
                 result = build(tmp)
                 built = result if isinstance(result, Built) else Built(result or {})
                 info = built.info
@@ -325,12 +329,13 @@ class ArtifactStore:
                     **manifest_extra,
                 }
                 if cost is not None:
-                    from quantlab.costs import record
+                    from quantlab.costs import busy_share, record
 
                     # time spent inside build() obtaining an input (e.g. calibrating the model an export
                     # writes) belongs to the stage that made the input
                     own = manifest["wall_time_s"] - float(info.get("upstream_seconds", 0.0))
-                    manifest["cost"] = record(stage, round(max(own, 0.0), 3), cost)
+                    manifest["cost"] = record(stage, round(max(own, 0.0), 3), cost,
+                                              busy_share(cpu_before, manifest["wall_time_s"]))
                 write_json_atomic(tmp / MANIFEST, manifest)
                 final = self.path(stage, key)
                 final.parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,15 @@ def calibration_passes(algorithm, share: float) -> list[tuple[str, float]]:
     return [("max calibration", 1.0)]
 
 
+def searches(precision: str, tokens: int | None, seq_len: int, batch: int) -> float:
+    """The candidates a calibration tries on each quantized linear layer: AWQ's scale search, every candidate scale
+    on every calibration batch (ModelOpt's awq_lite); 0 for max calibration and SmoothQuant (one forward each)."""
+    if CALIBRATION.get(precision) not in ("awq_lite", "awq", "awq_full") or not tokens:
+        return 0.0
+    windows = max(1, tokens // max(1, seq_len))
+    return float(-(-windows // max(1, batch)) * awq_grid())
+
+
 def precision_passes(precision: str, config: dict | None, seq_len: int) -> float | None:
     """A precision's calibration cost in plain forward passes on a model (None: not a calibrated precision)."""
     if precision not in CALIBRATION:
@@ -99,9 +108,69 @@ def precision_passes(precision: str, config: dict | None, seq_len: int) -> float
     return sum(w for _, w in calibration_passes(CALIBRATION[precision], linear_share(config, seq_len)))
 
 
-def record(stage: str, wall_time_s: float, cost: dict) -> dict:
-    """A cost record: the machine, the stage, the wall time and what the build's time depends on."""
-    return {"machine": machine_id(), "stage": stage, "wall_time_s": wall_time_s, **cost}
+def record(stage: str, wall_time_s: float, cost: dict, others_cpu: float | None = None) -> dict:
+    """A cost record: the machine, the stage, the wall time and what the build's time depends on; others_cpu: the
+    share of the machine's CPU other processes used meanwhile (busy_share), which idle_seconds() takes out."""
+    out = {"machine": machine_id(), "stage": stage, "wall_time_s": wall_time_s, **cost}
+    if others_cpu is not None:
+        out["others_cpu"] = round(others_cpu, 3)
+    return out
+
+
+# ---------------------------------------------------------------------------------- builds on a busy machine
+def cpu_sample() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its children) now, from
+    /proc/stat; None where there is none (not Linux)."""
+    import os
+
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system
+
+
+def busy_share(before: tuple[float, float] | None, wall_s: float) -> float | None:
+    """The share of the machine's CPU capacity (all its cores) that other processes used since `before`
+    (cpu_sample) over wall_s seconds; None when it cannot be known."""
+    import os
+
+    after = cpu_sample()
+    if before is None or after is None or wall_s <= 0.5:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return min(1.0, max(0.0, others / (wall_s * (os.cpu_count() or 1))))
+
+
+BUSY = 0.1  # others' share of the CPU above which a build counts as made on a busy machine
+
+
+def busy_now() -> tuple[float, int] | None:
+    """(load average over the last minute, CPUs) when other work keeps most of this machine's CPUs busy now (what a
+    plan for an idle machine should warn of), else None."""
+    import os
+
+    try:
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    except (OSError, AttributeError):
+        return None
+    return (load, cpus) if load >= 0.75 * cpus else None
+
+
+def idle_seconds(entry: dict) -> float:
+    """A CPU build's wall time as on an idle machine: its measured time x (1 - the share of the CPU other processes
+    took meanwhile): a build that had half the machine took about twice as long (fair sharing; a compute-bound
+    build oversubscribed loses more, so this stays an upper figure). GPU builds and records without the share: as
+    measured."""
+    wall = float(entry["wall_time_s"])
+    share = entry.get("others_cpu")
+    if not isinstance(share, (int, float)) or share <= BUSY or not str(entry.get("device", "")).startswith("cpu"):
+        return wall
+    return wall * max(0.1, 1.0 - float(share))
 
 
 APRIORI = "a-priori"  # how an a-priori Estimate's basis starts
@@ -155,7 +224,17 @@ def _scale(entry: dict, want: dict) -> float:
 def estimate(history: list[dict], stage: str, want: dict, machine: str | None = None,
              speed: dict | None = None) -> Estimate:
     """Predict the wall time of building `stage` with `want` (a work() dict) from earlier cost records; with none,
-    from the build's work units at this machine's measured speed (quantlab.prior), when both are known."""
+    from the build's work units at this machine's measured speed (quantlab.prior), when both are known. Records of
+    builds made on a busy machine (history(): idle_seconds) count as on an idle one, and the basis says so."""
+    est = _estimate(history, stage, want, machine, speed)
+    busy = sum("measured_s" in c for c in history if c.get("stage") == stage)
+    if est.known and busy and not est.apriori:
+        est.basis += (f"; {busy} of this stage's earlier builds ran while other processes used the CPU, counted as "
+                      "on an idle machine")
+    return est
+
+
+def _estimate(history: list[dict], stage: str, want: dict, machine: str | None, speed: dict | None) -> Estimate:
     machine = machine or machine_id()
     same = [c for c in history if c.get("stage") == stage and c.get("machine") == machine
             and c.get("device") == want.get("device") and isinstance(c.get("wall_time_s"), (int, float))]
@@ -181,10 +260,13 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
             return _apriori(stage, want, speed)
         return Estimate(statistics.median(scaled), f"{len(scaled)} earlier build{'s' if len(scaled) > 1 else ''} "
                         f"of another model {how}, scaled by the work of each (quantlab.prior)", True)
-    if speed and want.get("units") and rough:  # another precision's: its engine's speed against this one's
-        scaled = [_scale(c, want) * _variant_ratio(c, want, stage, speed) for c in pool]
+    if speed and want.get("units") and rough:
+        # another precision's: by the a-priori seconds of each build's work (its passes, AWQ's fake-quantized
+        # searches, its engine's speed); a record without work units linearly and by the precisions' factors
+        scaled = [_scale_units(c, want, stage, speed) or _scale(c, want) * _variant_ratio(c, want, stage, speed)
+                  for c in pool]
         return Estimate(statistics.median(scaled), f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, "
-                        "scaled linearly and by the precisions' speed (quantlab.prior)", True)
+                        "scaled by the work of each and the precisions' speed (quantlab.prior)", True)
     seconds = statistics.median(_scale(c, want) for c in pool)
     return Estimate(seconds, f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, scaled linearly", rough)
 
@@ -240,13 +322,17 @@ def history(store) -> list[dict]:
     out = []
     for a in store.entries():
         cost = a.manifest.get("cost") if isinstance(a.manifest, dict) else None
-        if not isinstance(cost, dict):
+        if not isinstance(cost, dict) or not isinstance(cost.get("wall_time_s"), (int, float)):
             continue
+        idle = idle_seconds(cost)
+        slower = cost["wall_time_s"] / idle if idle > 0 else 1.0
+        if slower != 1.0:  # made on a busy machine: as on an idle one (what the plan predicts)
+            cost = {**cost, "wall_time_s": round(idle, 3), "measured_s": cost["wall_time_s"]}
         passes = (a.manifest.get("info") or {}).get("calib_passes")
         if isinstance(passes, list) and passes:
             seconds = [p.get("seconds") for p in passes if isinstance(p, dict)]
             if seconds and all(isinstance(x, (int, float)) for x in seconds):
-                cost = {**cost, "pass_seconds": round(sum(seconds), 3)}
+                cost = {**cost, "pass_seconds": round(sum(seconds) / slower, 3)}
         out.append(cost)
     return out
 

@@ -106,7 +106,10 @@ class _Run:
                                        **priced}
             with progress.library_output(), progress.task(step.describe or step.name, expected=expected,
                                                           basis=basis, separate=True):
-                return _build(out, r)
+                value = _build(out, r)
+            if expected is not None:
+                self.planned[step.name].update(self.read_priced(step, r, value, "priced_reference" in priced))
+            return value
 
         def load(art, r, built, _load=step.load):
             with progress.library_output():
@@ -114,23 +117,27 @@ class _Run:
 
         return dataclasses.replace(step, build=build if step.build is not None else None, load=load)
 
-    def expected(self, step: Step, r) -> tuple[float | None, str, dict]:
+    def expected(self, step: Step, r, tokens: int | None = None,
+                 with_reference: bool | None = None) -> tuple[float | None, str, dict]:
         """A step's a-priori seconds (quantlab.costs over the cost records of earlier builds), where it comes from,
         and for a figure of the cost model alone what it priced (run.json's plan: "priced", and "priced_reference"
         for an evaluation that also builds the reference's outputs), so a plan can be refitted from run.json;
-        (None, "", {}) when nothing predicts it."""
+        (None, "", {}) when nothing predicts it. tokens: an evaluation's at that many tokens instead of a passing
+        run's, the reference's included when with_reference (else when it is not cached)."""
         if step.work is None:
             return None, "", {}
         try:
             if self._history is None:
                 self._history = costs.history(self.ctx.store)
                 self._speed = costs.machine_speed(self.ctx.store.root, self.ctx.device, self.ctx.dtype)
-            work = step.work(r)
+            work = step.work(r) if tokens is None else step.work(r, tokens=tokens)
             priced = {"priced": _priced(work)}
             est = costs.estimate(self._history, step.directory, work, speed=self._speed)
-            if est.known and step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r):
+            if with_reference is None:
+                with_reference = step.name == f"evaluate:{self.ctx.engine.name}" and not self._reference_cached(r)
+            if est.known and with_reference:
                 reference = self.steps_by_name["reference"]  # the evaluation builds the reference's outputs lazily
-                ref_work = reference.work(r)
+                ref_work = reference.work(r) if tokens is None else reference.work(r, tokens=tokens)
                 if _priced(ref_work):
                     priced["priced_reference"] = _priced(ref_work)
                 ref = costs.estimate(self._history, reference.directory, ref_work, speed=self._speed)
@@ -144,6 +151,23 @@ class _Run:
             return est.seconds, "a-priori, from the model's size and this machine's speed", priced
         return est.seconds, ("from other builds and the cost model" if est.rough
                              else "from earlier builds on this machine"), {}
+
+    def read_priced(self, step: Step, r, value, with_reference: bool) -> dict:
+        """For an evaluation that read other windows than the plan priced (a gate decided early, or read on to the
+        cap): the same estimate at the windows it read, which is what its time is compared with ({} otherwise).
+        The plan prices a passing run's windows before it can know where the gate stops."""
+        design = getattr(value, "design", None)
+        if design is None or not getattr(design, "looks", None):
+            return {}
+        try:
+            windows = int(design.looks[value.look])
+            tokens = windows * self.cfg.eval.seq_len
+            if tokens == step.work(r).get("size"):
+                return {}
+            seconds, _, _ = self.expected(step, r, tokens=tokens, with_reference=with_reference)
+        except Exception:  # noqa: BLE001 - advice only, as expected()
+            return {}
+        return {} if seconds is None else {"windows_read": windows, "planned_read_s": round(seconds, 2)}
 
     def _reference_cached(self, r) -> bool:
         """Whether the reference's first block of outputs is in the store (else the evaluation computes it)."""
@@ -355,18 +379,28 @@ def _priced(work) -> dict | None:
 def plan_vs_actual(planned: dict[str, dict], seconds: dict[str, float]) -> dict:
     """run.json's "plan": for every step this run built, the seconds predicted as it started (the figure the plan
     and the progress line showed) beside the seconds it took, and the relative error; the totals over the steps
-    that had a prediction. Steps read from the cache are not in it (the plan says "cached" for them)."""
+    that had a prediction. Steps read from the cache are not in it (the plan says "cached" for them). An evaluation
+    that read other windows than the plan priced (a gate that failed early) is compared with the same estimate at the
+    windows it read (planned_read_s; error_shown: against the figure shown)."""
     steps, planned_total, actual_total = {}, 0.0, 0.0
+    shown_total = 0.0
     for name, p in planned.items():
         actual = seconds.get(name)
         row = {**p, "actual_s": actual, "error": None}
         if p["planned_s"] and actual is not None:
-            row["error"] = round(actual / p["planned_s"] - 1, 3)
-            planned_total += p["planned_s"]
+            like = p.get("planned_read_s") or p["planned_s"]  # the same estimate for the work it did
+            row["error"] = round(actual / like - 1, 3)
+            if "planned_read_s" in p:
+                row["error_shown"] = round(actual / p["planned_s"] - 1, 3)
+            planned_total += like
+            shown_total += p["planned_s"]
             actual_total += actual
         steps[name] = row
-    return {"steps": steps, "planned_s": round(planned_total, 2), "actual_s": round(actual_total, 2),
-            "error": round(actual_total / planned_total - 1, 3) if planned_total else None}
+    out = {"steps": steps, "planned_s": round(planned_total, 2), "actual_s": round(actual_total, 2),
+           "error": round(actual_total / planned_total - 1, 3) if planned_total else None}
+    if abs(shown_total - planned_total) > 1e-9:
+        out["shown_s"] = round(shown_total, 2)  # what the plan showed, priced at a passing run's windows
+    return out
 
 
 BLIND_SHARE_WEAK = 0.10  # a verdict blind to faults in more than this share of the text is weak evidence

@@ -143,6 +143,10 @@ def render(plans: list[RunPlan], store: ArtifactStore, device_label: str) -> str
     if any(s.estimate and s.estimate.apriori for s in todo):
         lines.append("  * a-priori: no earlier build on this machine, priced from the model's shape (layers, hidden, "
                      "vocabulary, parameters), its tokens and this machine's measured speed (quantlab/prior.py)")
+    busy = costs.busy_now() if todo and device_label.startswith("cpu") else None
+    if busy:
+        lines.append(f"  * this machine is busy now (load average {busy[0]:.1f} on {busy[1]} CPUs): the figures are "
+                     "for an idle machine, and builds sharing the CPU take longer")
     for s in todo:
         if s.estimate and s.estimate.known:
             log.debug("plan: %s %s: %.1f s from %s", s.stage, s.key, s.estimate.seconds, s.estimate.basis)

@@ -64,6 +64,11 @@ class Shape:
         attention = 2 * self.heads * self.head_dim * (seq_len / 2)
         return self.layers * (linear + attention)
 
+    def linear_params(self) -> float:
+        """Weights of the decoder's linear layers (what a precision quantizes; the embedding and head stay)."""
+        return float(self.layers * (self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+                                    + 3 * self.hidden * self.inter))
+
     def head_macs(self) -> float:
         """Multiply-adds per token of the output head."""
         return float(self.hidden * self.vocab)
@@ -102,9 +107,9 @@ def measure(device, dtype) -> dict:
     m, k, n = (512, 1024, 2048) if device.type == "cpu" else (4096, 4096, 8192)
     a = torch.randn(m, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
-    gemm = _best(lambda: a @ b, device)
+    gemm = _best(lambda: a @ b, device, repeats=8)  # the best of 8 (~0.1 s on a 2-core CPU): of 3, 12% apart
     rows = torch.randn(64 if device.type == "cpu" else 1024, 65536, device=device, dtype=torch.float32)
-    soft = _best(lambda: torch.log_softmax(rows, -1), device)
+    soft = _best(lambda: torch.log_softmax(rows, -1), device, repeats=5)
     x = torch.zeros(16, device=device, dtype=dtype)
 
     def launches():
@@ -178,18 +183,23 @@ def speed(root: Path | None, device, dtype, machine: str) -> dict | None:
 class Units:
     """What one build does, in units whose cost the machine's speed gives: matmul FLOPs (qflops: those of the
     decoder's quantized linear layers, which the precision's engine or fake-quant slows down; flops: the rest, the
-    head's included), vocabulary-wide elementwise values, kernel launches and bytes hashed or written."""
+    head's included), vocabulary-wide elementwise values, kernel launches, bytes hashed or written, and searches:
+    AWQ's candidate scales tried on one quantized linear layer for one calibration batch (each a fake-quantization
+    of the layer's weight and a forward through it, driven from Python: priced in launch times, it bounds a large
+    model's search on a GPU where the few calibration tokens' matmuls do not)."""
     flops: float = 0.0
     elements: float = 0.0
     launches: float = 0.0
     bytes: float = 0.0
     qflops: float = 0.0
+    searches: float = 0.0
 
     def to_dict(self) -> dict:
         """For a work() record."""
         return {k: round(v, 1) for k, v in asdict(self).items() if v}
 
 
+LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down: the layers AWQ searches a scale for
 LAUNCHES_PER_LAYER = 24  # kernels of one decoder layer's forward in eager mode (norms, projections, rotary, SDPA)
 
 
@@ -212,7 +222,8 @@ COEFFICIENTS = {
     "cpu": {
         "data": {"fixed": 0.2, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 1600.0},
         "prepare": {"fixed": 4.0, "flops": 0.0, "elements": 0.0, "launches": 0.0, "bytes": 400.0},
-        "quantize": {"fixed": 3.0, "flops": 1.23, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
+        "quantize": {"fixed": 3.0, "flops": 1.23, "elements": 1.0, "launches": 1.0, "bytes": 1.0,
+                     "searches": 2300.0},
         "export": {"fixed": 0.5, "flops": 1.0, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
         "audit": {"fixed": 2.0, "flops": 1.6, "elements": 2.0, "launches": 1.0, "bytes": 1.0},
         "reference": {"fixed": 8.0, "flops": 1.3, "elements": 1.0, "launches": 1.0, "bytes": 1.0},
@@ -221,10 +232,13 @@ COEFFICIENTS = {
     # bytes: loading and writing checkpoints dominate at 8B; launches: small models. Tokenizing and the GGUF
     # conversion run on the CPU whatever the device (their records say so): they have CPU entries only.
     "cuda": {
-        "quantize": {"fixed": 6.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.5},
+        # searches: one AWQ candidate on one layer and batch costs ~2300 launch times (2026-12-07, an 8B shape on
+        # two H100s: int4_awq's calibration 101.6 s at 7.0 us a launch, 59.0 s at 4.9 us; fp8's 15.6 s and 7.6 s)
+        "quantize": {"fixed": 6.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.33,
+                     "searches": 2300.0},
         "export": {"fixed": 1.0, "flops": 1.0, "elements": 1.0, "launches": 1.0, "bytes": 1.7},
         "audit": {"fixed": 3.0, "flops": 3.0, "elements": 2.0, "launches": 4.0, "bytes": 1.0},
-        "reference": {"fixed": 2.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.25},
+        "reference": {"fixed": 2.0, "flops": 3.0, "elements": 1.0, "launches": 4.0, "bytes": 0.1},
         "evaluate": {"fixed": 6.0, "flops": 3.0, "elements": 6.0, "launches": 4.0, "bytes": 0.5},
     },
 }
@@ -236,6 +250,15 @@ PRECISION_FACTOR = {
             "evaluate": {"fp8": 1.75, "fp8_pc_pt": 1.75, "int8_sq": 1.3, "int4_awq": 0.9, "w4a8_awq": 1.1}},
     "cuda": {"quantize": {}, "evaluate": {}},
 }
+
+
+# Seconds a precision adds once per build: on a GPU the engine's INT4 kernels are compiled by Triton for each of
+# the model's layer shapes and batch sizes when first used (2026-12-07, an 8B shape on an H100: int4_awq's
+# evaluation of 8 windows 25.0 s, fp8's 11-12 s; Triton keeps them on disk, so a warm machine pays less).
+PRECISION_FIXED = {"cpu": {}, "cuda": {"evaluate": {"int4_awq": 15.0, "w4a8_awq": 15.0}}}
+# The fixed seconds above are Python-side work (loading, dispatch, compiling): they were fitted on machines of these
+# launch times and scale with the machine's own (a GPU host's CPU made the same step 1.4-1.7x faster, 2026-12-07).
+REFERENCE_LAUNCH_S = {"cpu": 1.75e-6, "cuda": 7.0e-6}
 
 
 def _precision(variant: str) -> str:
@@ -251,26 +274,32 @@ def seconds(stage: str, units: dict, device_type: str, machine: dict, variant: s
     if c is None or not machine:
         return None
     factor = PRECISION_FACTOR[kind].get(stage, {}).get(_precision(variant), 1.0)
-    out = c["fixed"]
+    fixed = c["fixed"] + PRECISION_FIXED[kind].get(stage, {}).get(_precision(variant), 0.0)
+    out = fixed * machine["launch_s"] / REFERENCE_LAUNCH_S[kind]  # Python-side work: as fast as this machine's launches
     out += (units.get("flops", 0.0) + units.get("qflops", 0.0) * factor) / machine["matmul_flops"] * c["flops"]
     out += units.get("elements", 0.0) / machine["elementwise_per_s"] * c["elements"]
     out += units.get("launches", 0.0) * machine["launch_s"] * c["launches"]
     out += units.get("bytes", 0.0) / machine["hash_bytes_per_s"] * c["bytes"]
+    out += units.get("searches", 0.0) * machine["launch_s"] * c.get("searches", 0.0)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ per stage
-def calibration(shape: Shape, tokens: int, seq_len: int, batch: int, passes: float | None) -> dict:
-    """A calibration's units: its forward passes without the head (quantlab.costs.calibration_passes), and reading
-    the model in float32."""
+def calibration(shape: Shape, tokens: int, seq_len: int, batch: int, passes: float | None,
+                searches: float = 0.0) -> dict:
+    """A calibration's units: its forward passes without the head (quantlab.costs.calibration_passes), reading the
+    model in float32, and `searches` candidates tried on every quantized linear layer (quantlab.costs.searches:
+    AWQ's scale search)."""
     units = forward(shape, tokens, seq_len, batch, head=False, passes=passes or 1.0, quantized=True)
     units.bytes = 4.0 * shape.params
+    units.searches = searches * shape.layers * LINEARS_PER_LAYER
     return units.to_dict()
 
 
-def export(shape: Shape, bytes_per_param: float = 2.0) -> dict:
-    """An export's units: quantizing and writing every weight once."""
-    return Units(elements=4.0 * shape.params, bytes=bytes_per_param * shape.params).to_dict()
+def export(shape: Shape, weight_bits: float = 16.0) -> dict:
+    """An export's units: quantizing every weight once and writing the checkpoint, its linear layers at weight_bits
+    (the precision's stored width) and the rest in 16 bits."""
+    return Units(elements=4.0 * shape.params, bytes=checkpoint_bytes(shape, weight_bits)).to_dict()
 
 
 def audit(shape: Shape, canary_windows: int, canary_tokens: int) -> dict:
@@ -303,12 +332,20 @@ def reference(shape: Shape, tokens: int, seq_len: int, batch: int, generate: tup
                 Units(bytes=4.0 * shape.params)).to_dict()
 
 
+def checkpoint_bytes(shape: Shape, weight_bits: float = 16.0) -> float:
+    """Bytes of an exported checkpoint: the decoder's linear layers at weight_bits, the rest in 16 bits."""
+    linear = min(shape.linear_params(), float(shape.params)) if shape.params else shape.linear_params()
+    return linear * weight_bits / 8 + 2.0 * max(0.0, shape.params - linear)
+
+
 def evaluation(shape: Shape, tokens: int, seq_len: int, batch: int, look_tokens: int,
-               generate: tuple[int, int]) -> dict:
+               generate: tuple[int, int], weight_bits: float = 16.0) -> dict:
     """A candidate's evaluation units: the candidate over the windows read (the reference, which the same step
     builds when it is not cached, is priced on its own: reference()), the reference's logits recomputed from its
     cached hidden states for the KL (a head and two vocabulary-wide passes a token), the first look again for the
-    numerics check, the candidate's greedy generations (generate: prompts, steps) and loading its checkpoint."""
+    numerics check, the candidate's greedy generations (generate: prompts, steps) and loading its checkpoint (its
+    linear layers at weight_bits)."""
     cand = forward(shape, tokens + look_tokens, seq_len, batch, quantized=True)
     kl = Units(flops=2 * shape.head_macs() * tokens, elements=2.0 * shape.vocab * tokens)
-    return _sum(cand, kl, _decode(shape, 1, generate, quantized=True), Units(bytes=4.0 * shape.params)).to_dict()
+    return _sum(cand, kl, _decode(shape, 1, generate, quantized=True),
+                Units(bytes=checkpoint_bytes(shape, weight_bits))).to_dict()

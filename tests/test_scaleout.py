@@ -8,6 +8,8 @@ import statistics
 import pytest
 from conftest import FAST, read_json, run_cli
 
+from quantlab import costs
+
 PRECISIONS = "+precision=fp8,int8_sq"
 
 
@@ -96,7 +98,8 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
     recorded: dict[str, list[float]] = {}
     for m in cache.glob("*/*/manifest.json"):
         if "cost" in read_json(m):
-            recorded.setdefault(read_json(m)["cost"]["stage"], []).append(read_json(m)["cost"]["wall_time_s"])
+            # as on an idle machine: a build that shared the CPU with other tests counts for less (costs.history)
+            recorded.setdefault(read_json(m)["cost"]["stage"], []).append(costs.idle_seconds(read_json(m)["cost"]))
     from quantlab import prior
 
     for name, step in todo.items():  # same model and tokens, other precision: the fp8 build's time, marked rough
@@ -109,7 +112,9 @@ def test_plan_predicts_what_the_sweep_builds(tiny_llama, tmp_path, monkeypatch):
         else:  # another precision's build, scaled by the precisions' speed (quantlab.prior), diluted by fixed costs
             table = prior.PRECISION_FACTOR["cpu"].get(stage, {})
             lo, hi = sorted((1.0, table.get("int8_sq", 1.0) / table.get("fp8", 1.0)))
-            assert want * lo * (1 - 1e-6) <= step.estimate.seconds <= want * hi * (1 + 1e-6), (stage, step.estimate)
+            # and by the work of each: the run's evaluation also reads the numerics check's look, which its
+            # blocks' records did not (a-priori under the fixed seconds: < 0.1% here)
+            assert want * lo * (1 - 1e-3) <= step.estimate.seconds <= want * hi * (1 + 1e-3), (stage, step.estimate)
             assert "precisions' speed" in step.estimate.basis, step.estimate.basis
         # the audit's cost depends on the model only, not on the precision: the same variant, an exact basis
         assert step.estimate.rough == (stage != "audit"), stage

@@ -126,7 +126,26 @@ POSITION_FIELDS = {"nll_ref": "float32", "nll_cand": "float32", "kl": "float32",
                    "dp_top": "float32", "argmax_ref": "int32", "argmax_cand": "int32"}
 
 
+COMPARE_ELEMENTS = 1 << 19  # logits compared at a time on a CPU: the temporaries stay in cache (3-12x faster at 2-67M)
+
+
 def compare_positions(ref_logits, cand_logits, targets) -> dict:
+    """_compare_rows over [B, C, V] logits; on a CPU in groups of rows of about COMPARE_ELEMENTS logits (row by row
+    the same arithmetic: identical results), so a large vocabulary's chunk never allocates its temporaries at full
+    size (Gemma-3's 262k x 254 positions of the audit's canary: 1.6 s at once, 0.13 s in groups)."""
+    import torch
+
+    shape, vocab = targets.shape, ref_logits.shape[-1]
+    rows = max(1, COMPARE_ELEMENTS // max(1, vocab))
+    flat = int(targets.numel())
+    if ref_logits.device.type != "cpu" or flat <= rows:
+        return _compare_rows(ref_logits, cand_logits, targets)
+    r, c, t = ref_logits.reshape(flat, vocab), cand_logits.reshape(flat, vocab), targets.reshape(flat)
+    parts = [_compare_rows(r[i: i + rows], c[i: i + rows], t[i: i + rows]) for i in range(0, flat, rows)]
+    return {k: torch.cat([p[k] for p in parts]).reshape(shape) for k in parts[0]}
+
+
+def _compare_rows(ref_logits, cand_logits, targets) -> dict:
     """Per-position comparison of two [B, C, V] logit chunks on the same inputs (targets [B, C] are the correct next
     tokens): NLLs, exact KL(ref || cand) over the full vocabulary, delta-p of the correct token and of the
     reference's top token, both argmaxes.

@@ -659,7 +659,8 @@ def _units(r, tokens: int, what: str, engine: str | None = None) -> dict | None:
         return None
     numerics = what == "run" and cfg.eval.numerics and engine == r.ctx.engine.name  # the main engine's only
     look = cfg.gate.statistical.look_windows * seq if numerics else 0
-    return prior.evaluation(shape, tokens, seq, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens))
+    return prior.evaluation(shape, tokens, seq, cfg.eval.batch_size, look, (prompts, cfg.eval.gen_tokens),
+                            r.ctx.precision.weight_bits)
 
 
 def _params(r) -> int:
@@ -697,8 +698,9 @@ def reference_step(ctx: RunContext) -> Step:
     return Step("reference", "evaluate", key_of, load, source="blocks", needs=("prepare", "data:eval"), probe=probe,
                 store_stage="reference",
                 target=False,
-                work=lambda r: costs.work(costs.device_label(ctx.device), "reference", _params(r), _run_tokens(r),
-                                          units=_units(r, _run_tokens(r), "reference")))
+                work=lambda r, tokens=None: costs.work(costs.device_label(ctx.device), "reference", _params(r),
+                                                       tokens or _run_tokens(r),
+                                                       units=_units(r, tokens or _run_tokens(r), "reference")))
 
 
 def candidate_identity(spec: EngineSpec, r) -> str:
@@ -764,11 +766,14 @@ def candidate_step(ctx: RunContext, spec: EngineSpec) -> Step:
         cand = CandidateBlocks(spec, candidate_identity(spec, r), ref, None, limits(r))
         return "evaluate", cand.key(0)
 
-    def work(r) -> dict:
+    def work(r, tokens: int | None = None) -> dict:
+        """The work of evaluating a passing run's tokens (the plan's figure), or of `tokens` (the windows a run
+        read: what the plan is compared with afterwards, quantlab.pipeline.plan_vs_actual)."""
         from quantlab.stages.quantize import recipe_label
 
+        tokens = tokens or _run_tokens(r)
         return costs.work(costs.device_label(ctx.device), f"{spec.name}:{recipe_label(ctx)}", _params(r),
-                          _run_tokens(r), units=_units(r, _run_tokens(r), "run", spec.name))
+                          tokens, units=_units(r, tokens, "run", spec.name))
 
     needs = ("reference", "data:eval", "prepare", RUNS_NEEDS[spec.runs]) + (() if is_main else (main,))
     return Step(f"evaluate:{spec.name}", "evaluate", lambda r: None, lambda art, r, built: built, build, needs=needs,

@@ -105,7 +105,7 @@ def step(ctx: RunContext) -> Step:
 
         shape, params, _ = first_run.model(r)
         return costs.work(costs.device_label(ctx.device), recipe_label(ctx), params,
-                          units=shape and prior.export(shape))
+                          units=shape and prior.export(shape, ctx.precision.weight_bits))
 
     # keyed by the calibration's key, not its files: a cached export needs no calibrated state on disk
     return Step("export", "export", lambda r: ctx.store.key("export", quantize=r.key("quantize"), versions=versions()),

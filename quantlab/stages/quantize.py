@@ -332,9 +332,10 @@ def step(ctx: RunContext) -> Step:
         shape, params, config = first_run.model(r)
         tokens = first_run.calib_tokens(r)
         passes = costs.precision_passes(ctx.precision.name, config, cfg.calib.seq_len)
+        tried = costs.searches(ctx.precision.name, tokens, cfg.calib.seq_len, cfg.calib.batch_size)
         return costs.work(costs.device_label(ctx.device), recipe_label(ctx), params, tokens, passes=passes,
                           units=shape and prior.calibration(shape, tokens, cfg.calib.seq_len, cfg.calib.batch_size,
-                                                            passes))
+                                                            passes, tried))
 
     def manifest(r) -> dict:
         return {"recipe": request(r).recipe, "model": r.fingerprint("prepare"), "calib": r.fingerprint("data:calib"),
