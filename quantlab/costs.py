@@ -263,8 +263,9 @@ def _estimate(history: list[dict], stage: str, want: dict, machine: str | None, 
     if speed and want.get("units") and rough:
         # another precision's: by the a-priori seconds of each build's work (its passes, AWQ's fake-quantized
         # searches, its engine's speed); a record without work units linearly and by the precisions' factors
-        scaled = [_scale_units(c, want, stage, speed) or _scale(c, want) * _variant_ratio(c, want, stage, speed)
-                  for c in pool]
+        # (a record of another size, an evaluation's block, holds none of the step's fixed seconds: linearly)
+        scaled = [(_scale_units(c, want, stage, speed) if c.get("size") == want.get("size") else None)
+                  or _scale(c, want) * _variant_ratio(c, want, stage, speed) for c in pool]
         return Estimate(statistics.median(scaled), f"{len(pool)} earlier build{'s' if len(pool) > 1 else ''} {how}, "
                         "scaled by the work of each and the precisions' speed (quantlab.prior)", True)
     seconds = statistics.median(_scale(c, want) for c in pool)
