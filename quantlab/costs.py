@@ -227,7 +227,8 @@ def estimate(history: list[dict], stage: str, want: dict, machine: str | None = 
     from the build's work units at this machine's measured speed (quantlab.prior), when both are known. Records of
     builds made on a busy machine (history(): idle_seconds) count as on an idle one, and the basis says so."""
     est = _estimate(history, stage, want, machine, speed)
-    busy = sum("measured_s" in c for c in history if c.get("stage") == stage)
+    busy = sum("measured_s" in c for c in history if c.get("stage") == stage
+               and c.get("machine") == (machine or machine_id()) and c.get("device") == want.get("device"))
     if est.known and busy and not est.apriori:
         est.basis += (f"; {busy} of this stage's earlier builds ran while other processes used the CPU, counted as "
                       "on an idle machine")

@@ -57,17 +57,19 @@ class Shape:
         kv = get("num_key_value_heads") or heads
         return cls(layers, hidden, int(inter), heads, kv, int(head_dim), vocab, int(params or 0))
 
+    def _layer_weights(self) -> int:
+        """Weights of one decoder layer's linear layers: q, o, k, v; gate, up, down."""
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 3 * self.hidden * self.inter
+
     def body_macs(self, seq_len: int) -> float:
         """Multiply-adds per token of the decoder layers over a causal window of seq_len (attention over half of it
         on average), without the head."""
-        linear = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 3 * self.hidden * self.inter
         attention = 2 * self.heads * self.head_dim * (seq_len / 2)
-        return self.layers * (linear + attention)
+        return self.layers * (self._layer_weights() + attention)
 
     def linear_params(self) -> float:
         """Weights of the decoder's linear layers (what a precision quantizes; the embedding and head stay)."""
-        return float(self.layers * (self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-                                    + 3 * self.hidden * self.inter))
+        return float(self.layers * self._layer_weights())
 
     def head_macs(self) -> float:
         """Multiply-adds per token of the output head."""
